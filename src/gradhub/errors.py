@@ -1,0 +1,103 @@
+"""The gradhub exception hierarchy.
+
+Every error the library raises on purpose derives from :class:`GradhubError`.
+Errors caused by bad input also derive from the built-in class a Python user
+would catch (``ValueError``, ``KeyError``, ``TimeoutError``), so existing
+``except`` clauses keep working. Errors from ZeroMQ or c10d are re-raised as
+one of these with ``raise ... from exc``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+
+class GradhubError(Exception):
+    """Root of every error gradhub raises on purpose."""
+
+
+class ShapeMismatchError(GradhubError, ValueError):
+    """A tree's structure, shape or dtype differs from the stored parameters.
+
+    ``path`` names the place in the tree (``["layer1"]["weight"]``, or ``<root>``),
+    ``expected`` and ``received`` describe what differed.
+    """
+
+    def __init__(self, path: str, expected: object, received: object, what: str = "shape"):
+        self.path = path
+        self.expected = expected
+        self.received = received
+        self.what = what
+        super().__init__(f"{what} mismatch at {path}: expected {expected}, received {received}")
+
+
+class NonFiniteError(GradhubError, ValueError):
+    """A gradient holds NaN or infinity and the policy is to refuse it."""
+
+
+class ClosedError(GradhubError, RuntimeError):
+    """The object was closed; it refuses any further use."""
+
+
+class StateError(GradhubError, RuntimeError):
+    """A call that is not valid in the object's current state (e.g. ``start()`` twice)."""
+
+
+class UnknownParameterError(GradhubError, KeyError):
+    """A key that was never initialised on the parameter server."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0]) if self.args else "unknown parameter"
+
+
+class DuplicateParameterError(GradhubError, ValueError):
+    """``init`` of a key that already exists."""
+
+
+class ProtocolError(GradhubError, ValueError):
+    """A malformed, oversized, unauthenticated or unknown wire frame."""
+
+
+class AuthenticationError(ProtocolError):
+    """A frame whose HMAC does not match the shared secret."""
+
+
+class GradhubTimeoutError(GradhubError, TimeoutError):
+    """A blocking call ran past its timeout."""
+
+
+class CollectiveTimeoutError(GradhubTimeoutError):
+    """A collective did not complete in time.
+
+    ``missing_ranks`` names the ranks not heard from, ``operation`` the collective.
+    """
+
+    def __init__(
+        self, operation: str, missing_ranks: Iterable[int], timeout: float, detail: str = ""
+    ):
+        self.operation = operation
+        self.missing_ranks: Sequence[int] = sorted(set(missing_ranks))
+        self.timeout = timeout
+        ranks = ", ".join(str(r) for r in self.missing_ranks) or "unknown"
+        msg = f"{operation} timed out after {timeout:g}s waiting for rank(s) {ranks}"
+        if detail:
+            msg += f" ({detail})"
+        super().__init__(msg)
+
+
+class ServerTimeoutError(GradhubTimeoutError):
+    """A parameter server did not answer in time; names the server and the key."""
+
+    def __init__(self, server: str, key: str | None, operation: str, timeout: float):
+        self.server = server
+        self.key = key
+        self.operation = operation
+        self.timeout = timeout
+        on_key = f" for key {key!r}" if key is not None else ""
+        super().__init__(
+            f"parameter server {server} did not answer {operation}{on_key} within {timeout:g}s"
+        )
+
+
+class WorkerFailedError(GradhubError, RuntimeError):
+    """Another process of the job died or failed; names which."""

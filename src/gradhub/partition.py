@@ -1,0 +1,31 @@
+"""Slice math for a flat parameter split over ``num_partitions`` owners.
+
+The split follows BigDL's rule: with ``q, r = divmod(size, P)``, partition ``p``
+starts at ``p*q + min(p, r)`` and holds ``q + (1 if p < r else 0)`` elements.
+The first ``size % P`` partitions are one longer; with ``size < P`` the last
+partitions are empty, which every caller must handle.
+"""
+
+from __future__ import annotations
+
+
+def _validate(size: int, num_partitions: int) -> None:
+    if size < 0:
+        raise ValueError(f"size must be >= 0, got {size}")
+    if num_partitions < 1:
+        raise ValueError(f"num_partitions must be >= 1, got {num_partitions}")
+
+
+def partition_range(size: int, num_partitions: int, partition_id: int) -> tuple[int, int]:
+    """Return ``(start, length)`` of partition ``partition_id``."""
+    _validate(size, num_partitions)
+    if not 0 <= partition_id < num_partitions:
+        raise ValueError(f"partition_id must be in [0, {num_partitions}), got {partition_id}")
+    q, r = divmod(size, num_partitions)
+    return partition_id * q + min(partition_id, r), q + (1 if partition_id < r else 0)
+
+
+def partition_ranges(size: int, num_partitions: int) -> list[tuple[int, int]]:
+    """Return ``(start, length)`` for every partition, in order."""
+    _validate(size, num_partitions)
+    return [partition_range(size, num_partitions, p) for p in range(num_partitions)]

@@ -1,0 +1,144 @@
+"""Multi-process test harness: real processes on 127.0.0.1.
+
+``run_ranks(fn, world_size, *args)`` starts ``world_size`` fresh processes
+(spawn), each with the launcher's standard environment (RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR=127.0.0.1, MASTER_PORT=<a free port>), calls
+``fn(rank, world_size, *args)`` in each and returns the list of
+:class:`RankResult`. Every process is killed when the time is up, so no test
+leaves children behind. ``fn`` must be a module-level function of an
+importable module (tests are on ``sys.path`` under pytest).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class RankResult:
+    rank: int
+    value: Any = None
+    error: str | None = None  # the traceback text when the rank raised
+    exitcode: int | None = None
+    killed: bool = False  # still running at the timeout, killed by the harness
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.exitcode == 0
+
+
+class RanksFailed(AssertionError):
+    def __init__(self, results: list[RankResult]):
+        self.results = results
+        lines = []
+        for r in results:
+            if not r.ok:
+                lines.append(f"--- rank {r.rank} (exit code {r.exitcode}) ---\n{r.error or ''}")
+        super().__init__("\n".join(lines))
+
+
+def _child(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    args: tuple[Any, ...],
+    env: dict[str, str],
+    results: Any,
+) -> None:
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            **env,
+        }
+    )
+    try:
+        value = fn(rank, world_size, *args)
+    except BaseException:
+        results.put((rank, None, traceback.format_exc()))
+    else:
+        results.put((rank, value, None))
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    env: dict[str, str] | None = None,
+    check: bool = True,
+) -> list[RankResult]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes.
+
+    With ``check`` (the default) any failed rank raises :class:`RanksFailed`
+    carrying every rank's traceback; otherwise the results are returned as they are.
+    """
+    ctx = mp.get_context("spawn")
+    results_q = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_child,
+            args=(fn, rank, world_size, port, args, dict(env or {}), results_q),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results = {rank: RankResult(rank) for rank in range(world_size)}
+    received: set[int] = set()
+    deadline = time.monotonic() + timeout
+    try:
+        while len(received) < world_size and time.monotonic() < deadline:
+            try:
+                rank, value, error = results_q.get(timeout=0.2)
+            except queue.Empty:
+                if all(not p.is_alive() for p in procs) and results_q.empty():
+                    break
+                continue
+            results[rank].value, results[rank].error = value, error
+            received.add(rank)
+        for p in procs:
+            p.join(timeout=max(0.0, min(10.0, deadline - time.monotonic())))
+    finally:
+        for rank, p in enumerate(procs):
+            if p.is_alive():
+                results[rank].killed = True
+                p.kill()
+                p.join(5)
+        results_q.close()
+        results_q.join_thread()
+    for rank, p in enumerate(procs):
+        r = results[rank]
+        r.exitcode = p.exitcode
+        if rank not in received and r.error is None:
+            why = f"killed after {timeout:g}s" if r.killed else f"exit code {p.exitcode}"
+            r.error = f"rank {rank} gave no result ({why})"
+        elif r.killed and r.error is None:
+            r.error = f"rank {rank} returned but did not exit; killed after {timeout:g}s"
+
+    out = [results[r] for r in range(world_size)]
+    if check and not all(r.ok for r in out):
+        raise RanksFailed(out)
+    return out
