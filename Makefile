@@ -10,7 +10,7 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): $(BIN)/python pyproject.toml constraints.txt
-	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -c constraints.txt --upgrade pip
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[demo,dev]"
 	touch $(STAMP)
 
