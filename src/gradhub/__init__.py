@@ -5,6 +5,7 @@ Public API only; everything else lives in subpackages.
 
 from gradhub import codecs, partition, trees
 from gradhub._version import __version__
+from gradhub.coordinator import DistributedGradientsCoordinator
 from gradhub.errors import (
     AuthenticationError,
     ClosedError,
@@ -20,15 +21,22 @@ from gradhub.errors import (
     UnknownParameterError,
     WorkerFailedError,
 )
+from gradhub.merge import ModelUpdate, WorkerUpdate, merge_worker_updates, split_batch
 from gradhub.ps.base import ParameterServer
+from gradhub.ps.local import LocalParameterServer
+from gradhub.train.trainer import DataParallelTrainer
 
 __all__ = [
     "AuthenticationError",
     "ClosedError",
     "CollectiveTimeoutError",
+    "DataParallelTrainer",
+    "DistributedGradientsCoordinator",
     "DuplicateParameterError",
     "GradhubError",
     "GradhubTimeoutError",
+    "LocalParameterServer",
+    "ModelUpdate",
     "NonFiniteError",
     "ParameterServer",
     "ProtocolError",
@@ -37,8 +45,11 @@ __all__ = [
     "StateError",
     "UnknownParameterError",
     "WorkerFailedError",
+    "WorkerUpdate",
     "__version__",
     "codecs",
+    "merge_worker_updates",
     "partition",
+    "split_batch",
     "trees",
 ]

@@ -1,0 +1,194 @@
+"""LocalParameterServer: an in-process, thread-safe parameter server.
+
+One worker thread runs the queued ``push`` and ``pull`` operations against a
+:class:`~gradhub.ps.store.ParameterStore`. See :mod:`gradhub.ps.base` for the
+interface's semantics.
+
+Decisions:
+
+- **Ordering rule.** Per key, operations run in the order they were submitted,
+  from every client (which keeps each client's order, as the interface asks).
+  Priority chooses *between keys*: the worker next serves the key whose queue
+  holds the highest priority, and an urgent operation lifts the operations
+  queued before it on its key (priority inheritance), so it is never stuck
+  behind a key that is not served. Among keys of equal priority, the one
+  whose oldest operation was submitted first runs first.
+- **Errors at call time.** Unknown key, shape or dtype mismatch, a second
+  ``init``, bad arguments and use after ``close()`` raise in the caller's
+  thread; nothing is queued. A failure while an operation runs (e.g. inside
+  the optimizer) is set on its future.
+- **Push snapshots.** ``push`` sums the replicas in the caller's thread (one
+  read of each gradient, one write of the sum), so the caller may reuse its
+  gradient buffers as soon as ``push`` returns; the optimizer step runs on
+  the worker thread. ``pull`` fills the given tensors when its future is done.
+- ``init`` is synchronous and returns once the value is stored.
+- ``close(timeout)`` runs the operations already queued, then stops the
+  thread; idempotent.
+- ``optimizer=None``: the store's default (a push replaces the value with the
+  pushed sum), see :mod:`gradhub.ps.store`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from gradhub.errors import ClosedError, GradhubTimeoutError
+from gradhub.ps.base import ParameterServer, Replicas, as_replicas
+from gradhub.ps.store import OptimizerFactory, ParameterStore
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Op:
+    seq: int
+    priority: int
+    run: Callable[[], None]
+    future: Future[None] = field(default_factory=Future)
+
+
+class LocalParameterServer(ParameterServer):
+    """A parameter server in this process.
+
+    Args:
+        optimizer: factory ``list[Tensor] -> torch.optim.Optimizer``, called once
+            per key; ``None`` makes a push replace the value with the sum.
+    """
+
+    def __init__(self, optimizer: OptimizerFactory | None = None) -> None:
+        self._store = ParameterStore(optimizer)
+        self._store_lock = threading.Lock()  # held while an op or init touches the store
+        self._cond = threading.Condition()  # guards the queues below
+        self._queues: dict[str, deque[_Op]] = {}
+        self._seq = itertools.count()
+        self._closed = False
+        self._thread = threading.Thread(target=self._serve, name="gradhub-local-ps", daemon=True)
+        self._thread.start()
+
+    # -------------------------------------------------------------- interface
+    def init(self, key: str, values: Replicas) -> None:
+        self._check_open()
+        replicas = as_replicas(values, what="values")
+        with self._store_lock:
+            self._store.init(key, replicas[0])
+
+    def push(self, key: str, grads: Replicas, priority: int = 0) -> Future[None]:
+        self._check_open()
+        replicas = as_replicas(grads, what="grads")
+        with self._store_lock:
+            self._store.check(key, replicas[0])
+            device = self._store.value(key).device
+        total = replicas[0].detach().to(device=device, copy=True)
+        for g in replicas[1:]:
+            total.add_(g.detach().to(device))
+        return self._submit(key, priority, lambda: self._store.apply(key, total))
+
+    def pull(self, key: str, weights: Replicas, priority: int = 0) -> Future[None]:
+        self._check_open()
+        targets = as_replicas(weights, what="weights")
+        with self._store_lock:
+            self._store.check(key, targets[0])
+        return self._submit(key, priority, lambda: self._store.copy_into(key, targets))
+
+    def close(self, timeout: float | None = 60.0) -> None:
+        """Run what is queued, stop the worker thread; idempotent."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise GradhubTimeoutError(
+                f"local parameter server did not finish its queued operations within {timeout}s"
+            )
+
+    # ------------------------------------------------------------------ extras
+    def __enter__(self) -> LocalParameterServer:
+        return self
+
+    @property
+    def store(self) -> ParameterStore:
+        """The underlying store (read it only when no operation is pending)."""
+        return self._store
+
+    def keys(self) -> list[str]:
+        with self._store_lock:
+            return list(self._store.keys())
+
+    @property
+    def pending(self) -> int:
+        """Operations queued and not yet started."""
+        with self._cond:
+            return sum(len(q) for q in self._queues.values())
+
+    def state_dict(self) -> dict[str, Any]:
+        """Values and optimizer state of every key (operations running now finish first)."""
+        with self._store_lock:
+            return self._store.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`; see :meth:`ParameterStore.load_state_dict`."""
+        self._check_open()
+        with self._store_lock:
+            self._store.load_state_dict(state)
+
+    def get(self, key: str) -> torch.Tensor:
+        """A copy of the current value of ``key`` (queued operations not awaited)."""
+        with self._store_lock:
+            return self._store.value(key).detach().clone()
+
+    # ---------------------------------------------------------------- machinery
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("this LocalParameterServer is closed; create a new one")
+
+    def _submit(self, key: str, priority: int, run: Callable[[], None]) -> Future[None]:
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"priority must be an int, got {priority!r}")
+        with self._cond:
+            self._check_open()  # close() may have won the race since the first check
+            op = _Op(next(self._seq), priority, run)
+            self._queues.setdefault(key, deque()).append(op)
+            self._cond.notify()
+        return op.future
+
+    def _next_key(self) -> str:
+        """The key to serve next (caller holds ``_cond``; some queue is non-empty)."""
+        best_key, best = "", (0, 0)
+        for key, queue in self._queues.items():
+            rank = (-max(op.priority for op in queue), queue[0].seq)
+            if not best_key or rank < best:
+                best_key, best = key, rank
+        return best_key
+
+    def _serve(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: bool(self._queues) or self._closed)
+                if not self._queues:
+                    return  # closed and drained
+                key = self._next_key()
+                queue = self._queues[key]
+                op = queue.popleft()
+                if not queue:
+                    del self._queues[key]
+            if not op.future.set_running_or_notify_cancel():
+                continue
+            try:
+                with self._store_lock:
+                    op.run()
+            except BaseException as exc:
+                logger.warning("parameter server operation on %r failed: %r", key, exc)
+                op.future.set_exception(exc)
+            else:
+                op.future.set_result(None)
