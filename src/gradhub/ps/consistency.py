@@ -1,0 +1,195 @@
+"""Consistency modes of a parameter server: async, sync (dist_sync) and ssp.
+
+A worker's **step on a key** is the number of pushes the server has taken from
+it for that key. Workers need no explicit clock: pushing a key advances the
+worker on it, and a pull is judged against the steps of the live workers.
+
+- ``async``: every push is applied on arrival; pulls never wait.
+- ``sync`` (MXNet ``dist_sync``): a worker's n-th push of a key joins round n
+  of that key; gradients of a round are summed and applied **once**, when every
+  live worker has pushed for it (and at least ``workers`` distinct workers have
+  registered). A pull waits until every round the worker has pushed to is
+  applied, so it sees the aggregate of the round.
+- ``ssp`` (bounded staleness, ``max_staleness=K``): pushes are applied on
+  arrival; a pull by a worker more than ``K`` steps ahead of the slowest live
+  worker on that key waits until the slow one catches up (or is dropped).
+
+Membership: a worker joins with its first push. A worker that
+has been silent longer than the heartbeat timeout is *dropped*: it no longer
+counts for rounds or staleness, so the others stop waiting for it. A dropped
+worker that speaks again rejoins at the current round (sync) or at the step
+of the slowest live worker (ssp), so it does not hold the others back.
+
+Decision: until ``workers`` distinct workers have registered, the missing ones
+count as live workers at step 0, so an early starter does not run rounds alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+MODES = ("async", "sync", "ssp")
+
+
+@dataclass
+class _Round:
+    total: torch.Tensor
+    contributors: set[int] = field(default_factory=set)
+
+
+class Consistency:
+    """Step, round and membership accounting for one server (single-threaded use)."""
+
+    def __init__(self, mode: str, *, workers: int, max_staleness: int = 0):
+        if mode not in MODES:
+            raise ValueError(f"unknown consistency mode {mode!r}; choose one of {', '.join(MODES)}")
+        self.mode = mode
+        self.workers = workers
+        self.max_staleness = max_staleness
+        self.registered: set[int] = set()
+        self.live: set[int] = set()
+        self.last_seen: dict[int, float] = {}
+        self.steps: dict[str, dict[int, int]] = {}  # key -> worker -> step
+        self.rounds_applied: dict[str, int] = {}
+        self.pending: dict[str, dict[int, _Round]] = {}
+
+    # -- membership ---------------------------------------------------------
+    def seen(self, worker: int, *, pushing: bool = False, now: float | None = None) -> bool:
+        """Record that ``worker`` spoke; True when it joined or rejoined.
+
+        A worker joins with its first push (a process that only inits and
+        pulls, such as a driver, never counts); after that, any message keeps
+        it live and brings it back after a drop.
+        """
+        if worker not in self.registered and not pushing:
+            return False
+        self.last_seen[worker] = time.monotonic() if now is None else now
+        if worker in self.live:
+            return False
+        rejoin = worker in self.registered
+        self.registered.add(worker)
+        self.live.add(worker)
+        if rejoin:
+            for key, steps in self.steps.items():
+                floor = self._rejoin_floor(key, worker)
+                steps[worker] = max(steps.get(worker, 0), floor)
+            log.info("worker %d rejoined", worker)
+        else:
+            log.info("worker %d joined (%d of %d)", worker, len(self.registered), self.workers)
+        return True
+
+    def _rejoin_floor(self, key: str, worker: int) -> int:
+        if self.mode == "sync":
+            return self.rounds_applied.get(key, 0)
+        others = [s for w, s in self.steps[key].items() if w in self.live and w != worker]
+        return min(others, default=0)
+
+    def expire(self, timeout: float, now: float | None = None) -> list[int]:
+        """Drop the live workers silent for more than ``timeout`` seconds; returns them."""
+        now = time.monotonic() if now is None else now
+        dropped = [w for w in sorted(self.live) if now - self.last_seen.get(w, now) > timeout]
+        for w in dropped:
+            self.live.discard(w)
+            log.warning(
+                "worker %d silent for more than %gs: dropped from %s accounting",
+                w,
+                timeout,
+                self.mode,
+            )
+        return dropped
+
+    # -- pushes and pulls ---------------------------------------------------
+    def forget_key(self, key: str) -> None:
+        self.steps.pop(key, None)
+        self.rounds_applied.pop(key, None)
+        self.pending.pop(key, None)
+
+    def push(self, worker: int, key: str, grad: torch.Tensor) -> list[torch.Tensor]:
+        """Account for one push; returns the gradients to apply now, in order."""
+        steps = self.steps.setdefault(key, {})
+        if self.mode != "sync":
+            steps[worker] = steps.get(worker, 0) + 1
+            return [grad]
+        applied = self.rounds_applied.setdefault(key, 0)
+        rnd = max(steps.get(worker, 0), applied)
+        steps[worker] = rnd + 1
+        rounds = self.pending.setdefault(key, {})
+        if rnd in rounds:
+            rounds[rnd].total += grad
+        else:
+            rounds[rnd] = _Round(grad.clone())
+        rounds[rnd].contributors.add(worker)
+        return self.complete_rounds(key)
+
+    def complete_rounds(self, key: str) -> list[torch.Tensor]:
+        """Sync mode: the sums of the rounds of ``key`` that are now complete."""
+        if self.mode != "sync":
+            return []
+        out: list[torch.Tensor] = []
+        rounds = self.pending.get(key, {})
+        missing = max(0, self.workers - len(self.registered))
+        while True:
+            applied = self.rounds_applied.get(key, 0)
+            rnd = rounds.get(applied)
+            if rnd is None or missing or not self.live <= rnd.contributors:
+                return out
+            out.append(rounds.pop(applied).total)
+            self.rounds_applied[key] = applied + 1
+
+    def pull_ready(self, worker: int, key: str) -> bool:
+        """Whether a pull of ``key`` by ``worker`` may be answered now."""
+        if self.mode == "async":
+            return True
+        steps = self.steps.get(key, {})
+        mine = steps.get(worker, 0)
+        if self.mode == "sync":
+            return self.rounds_applied.get(key, 0) >= mine
+        others = [s for w, s in steps.items() if w in self.live]
+        others += [0] * (
+            len(self.live - steps.keys()) + max(0, self.workers - len(self.registered))
+        )
+        return mine - min(others, default=mine) <= self.max_staleness
+
+    def tracked_keys(self) -> list[str]:
+        return list(self.steps)
+
+    # -- checkpoints --------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "registered": sorted(self.registered),
+            "steps": {k: dict(v) for k, v in self.steps.items()},
+            "rounds_applied": dict(self.rounds_applied),
+            "pending": {
+                k: {r: (p.total, sorted(p.contributors)) for r, p in rounds.items()}
+                for k, rounds in self.pending.items()
+            },
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore accounting; workers count as live again until they miss heartbeats."""
+        now = time.monotonic()
+        self.registered = set(state["registered"])
+        self.live = set(self.registered)
+        self.last_seen = dict.fromkeys(self.registered, now)
+        self.steps = {k: dict(v) for k, v in state["steps"].items()}
+        self.rounds_applied = dict(state["rounds_applied"])
+        self.pending = {
+            k: {int(r): _Round(t, set(c)) for r, (t, c) in rounds.items()}
+            for k, rounds in state["pending"].items()
+        }
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "workers": self.workers,
+            "registered": sorted(self.registered),
+            "live": sorted(self.live),
+            "rounds_applied": dict(self.rounds_applied),
+        }

@@ -1,0 +1,357 @@
+"""The parameter-server wire format: one fixed header, the key, raw tensor bytes.
+
+A message is three ZeroMQ frames, plus a fourth when a shared secret is set::
+
+    [header (HEADER_SIZE bytes)] [key (UTF-8)] [payload (raw tensor bytes)] [HMAC-SHA256]
+
+The header is a little-endian ``struct`` (see ``_HEADER``): magic ``b"GH"``,
+protocol version, op, flags, status, dtype code, codec code, ndim, key length,
+worker id, priority, request id, session, sequence number, server
+incarnation, one auxiliary field, payload length and up to ``MAX_NDIM``
+dimensions. Tensor bytes travel as their own frame: :func:`encode` hands
+ZeroMQ a view of the tensor's memory and :func:`Message.tensor` wraps a
+received frame with ``torch.frombuffer``, so neither side copies them.
+
+The HMAC covers header, key and payload frames; it is checked with
+``hmac.compare_digest``. :func:`decode` checks everything that can be checked
+(magic, version, op, sizes, dtype, shape against payload length, UTF-8 key,
+signature) and raises only :class:`~gradhub.errors.ProtocolError` (or its
+subclass :class:`~gradhub.errors.AuthenticationError`) for any input.
+
+Decisions:
+- A signed frame sent to an endpoint without a secret is refused as well: a
+  secret configured on one side only is a mistake worth surfacing.
+- Replies use the request's op with ``FLAG_REPLY`` set and a :class:`Status`;
+  an error reply carries its message as UTF-8 in the payload.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import math
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from gradhub.errors import AuthenticationError, ProtocolError
+
+MAGIC = b"GH"
+VERSION = 1
+MAX_NDIM = 8
+MAX_KEY_BYTES = 1024
+DEFAULT_MAX_PAYLOAD = 1 << 31  # 2 GiB
+MAC_SIZE = 32
+
+FLAG_REPLY = 1
+FLAG_MAC = 2
+_KNOWN_FLAGS = FLAG_REPLY | FLAG_MAC
+
+
+class OversizedError(ProtocolError):
+    """A message larger than the endpoint's limit."""
+
+
+class UnknownOpError(ProtocolError):
+    """A well-formed header naming an op, status, codec or dtype this version does not know."""
+
+
+_HEADER = struct.Struct("<2sBBHHBBBxHIiQQQQQQ" + "Q" * MAX_NDIM)
+HEADER_SIZE = _HEADER.size
+
+
+class Op(enum.IntEnum):
+    HELLO = 1  # register a worker (and learn the server's incarnation)
+    HEARTBEAT = 2
+    INIT = 3
+    PUSH = 4
+    PULL = 5
+    STATS = 6
+    SHUTDOWN = 7
+
+
+class Status(enum.IntEnum):
+    OK = 0
+    UNKNOWN_KEY = 1
+    DUPLICATE_KEY = 2
+    SHAPE_MISMATCH = 3
+    BAD_REQUEST = 4
+    STALE_INCARNATION = 5  # the server restarted: say hello again, then resend
+    SHUTTING_DOWN = 6
+    INTERNAL = 7
+
+
+_DTYPES: dict[int, torch.dtype] = {
+    1: torch.float32,
+    2: torch.float64,
+    3: torch.float16,
+    4: torch.bfloat16,
+    5: torch.int64,
+    6: torch.int32,
+    7: torch.int16,
+    8: torch.int8,
+    9: torch.uint8,
+    10: torch.bool,
+}
+_DTYPE_CODES = {d: c for c, d in _DTYPES.items()}
+_ITEMSIZE = {c: torch.empty((), dtype=d).element_size() for c, d in _DTYPES.items()}
+
+CODECS = ("none", "fp16", "bf16", "bf16-truncate")
+_CODEC_CODES = {name: i for i, name in enumerate(CODECS)}
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """The wire code of ``dtype`` (``TypeError`` for dtypes the wire cannot carry)."""
+    try:
+        return _DTYPE_CODES[dtype]
+    except KeyError:
+        raise TypeError(
+            f"dtype {dtype} cannot be sent to a parameter server; use one of "
+            f"{', '.join(str(d) for d in _DTYPES.values())}"
+        ) from None
+
+
+@dataclass(slots=True)
+class Header:
+    """The fixed-size part of a message. ``dtype`` is ``None`` without a tensor."""
+
+    op: Op
+    request_id: int = 0
+    worker_id: int = 0
+    session: int = 0
+    seq: int = 0
+    incarnation: int = 0
+    aux: int = 0
+    priority: int = 0
+    flags: int = 0
+    status: Status = Status.OK
+    dtype: torch.dtype | None = None
+    codec: str = "none"
+    shape: tuple[int, ...] = ()
+    payload_len: int = 0
+
+    @property
+    def is_reply(self) -> bool:
+        return bool(self.flags & FLAG_REPLY)
+
+
+@dataclass(slots=True)
+class Message:
+    header: Header
+    key: str
+    payload: Any = field(default=b"")  # a buffer: bytes, memoryview or zmq.Frame
+    routing: list[Any] = field(default_factory=list)  # ROUTER identity frames, if any
+
+    def tensor(self) -> torch.Tensor:
+        """The payload as a tensor of the header's dtype and shape, without a copy."""
+        h = self.header
+        if h.dtype is None:
+            raise ProtocolError(f"{h.op.name} message for key {self.key!r} carries no tensor")
+        if h.payload_len == 0:
+            return torch.empty(h.shape, dtype=h.dtype)
+        return torch.frombuffer(self.payload, dtype=h.dtype).view(h.shape)
+
+    def text(self) -> str:
+        """The payload as UTF-8 text (error replies)."""
+        return bytes(memoryview(self.payload)).decode("utf-8", errors="replace")
+
+
+def tensor_frame(tensor: torch.Tensor) -> memoryview | bytes:
+    """A buffer over ``tensor``'s memory (contiguous CPU), for a zero-copy send.
+
+    The buffer keeps the tensor alive; the caller must not modify the tensor
+    until the send is done.
+    """
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.numel() == 0:
+        return b""
+    t = t.contiguous().reshape(-1).view(torch.uint8)
+    return memoryview(t.numpy())  # type: ignore[arg-type]
+
+
+def _mac(secret: bytes, parts: Sequence[Any]) -> bytes:
+    h = hmac.new(secret, digestmod=hashlib.sha256)
+    for p in parts:
+        h.update(p)
+    return h.digest()
+
+
+def encode(
+    header: Header,
+    key: str = "",
+    payload: torch.Tensor | bytes | memoryview | None = None,
+    *,
+    secret: bytes | None = None,
+) -> list[Any]:
+    """The frames of one message (header, key, payload[, mac]); fills in
+    ``header``'s dtype, shape and payload length from a tensor payload."""
+    key_bytes = key.encode("utf-8")
+    if len(key_bytes) > MAX_KEY_BYTES:
+        raise ValueError(
+            f"key {key[:40]!r}... is {len(key_bytes)} bytes; the limit is {MAX_KEY_BYTES}"
+        )
+    if isinstance(payload, torch.Tensor):
+        if payload.dim() > MAX_NDIM:
+            raise ValueError(f"tensors of more than {MAX_NDIM} dimensions cannot be sent")
+        header.dtype = payload.dtype
+        header.shape = tuple(payload.shape)
+        data: Any = tensor_frame(payload)
+        header.payload_len = payload.numel() * payload.element_size()
+    else:
+        data = b"" if payload is None else payload
+        header.payload_len = memoryview(data).nbytes
+        header.dtype, header.shape = None, ()
+    flags = header.flags | (FLAG_MAC if secret else 0)
+    header.flags = flags
+    shape = list(header.shape) + [0] * (MAX_NDIM - len(header.shape))
+    head = _HEADER.pack(
+        MAGIC,
+        VERSION,
+        int(header.op),
+        flags,
+        int(header.status),
+        0 if header.dtype is None else dtype_code(header.dtype),
+        _CODEC_CODES[header.codec],
+        len(header.shape),
+        len(key_bytes),
+        header.worker_id,
+        header.priority,
+        header.request_id,
+        header.session,
+        header.seq,
+        header.incarnation,
+        header.aux,
+        header.payload_len,
+        *shape,
+    )
+    frames: list[Any] = [head, key_bytes, data]
+    if secret:
+        frames.append(_mac(secret, frames))
+    return frames
+
+
+def decode(
+    frames: Sequence[Any],
+    *,
+    secret: bytes | None = None,
+    max_payload: int = DEFAULT_MAX_PAYLOAD,
+) -> Message:
+    """Parse and check one message; only ``ProtocolError`` escapes, whatever ``frames`` hold."""
+    try:
+        return _decode(frames, secret, max_payload)
+    except ProtocolError:
+        raise
+    except Exception as exc:  # any other surprise is a malformed frame, never a crash
+        raise ProtocolError(f"malformed message: {type(exc).__name__}: {exc}") from exc
+
+
+def _decode(frames: Sequence[Any], secret: bytes | None, max_payload: int) -> Message:
+    if len(frames) not in (3, 4):
+        raise ProtocolError(f"expected 3 or 4 frames, got {len(frames)}")
+    views = [memoryview(f).cast("B") for f in frames]
+    head = views[0]
+    if head.nbytes != HEADER_SIZE:
+        raise ProtocolError(f"header is {head.nbytes} bytes, expected {HEADER_SIZE}")
+    fields = _HEADER.unpack(head)
+    magic, version, op, flags, status, dcode, ccode, ndim, key_len = fields[:9]
+    worker_id, priority, request_id, session, seq, incarnation, aux, payload_len = fields[9:17]
+    dims = fields[17:]
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {magic!r}; not a gradhub parameter-server message")
+    if version != VERSION:
+        raise ProtocolError(f"protocol version {version} is not supported (this is {VERSION})")
+    if flags & ~_KNOWN_FLAGS:
+        raise ProtocolError(f"unknown flags {flags:#x}")
+    signed = bool(flags & FLAG_MAC)
+    if len(frames) != (4 if signed else 3):
+        raise ProtocolError(f"{len(frames)} frames do not match the signature flag")
+    if views[2].nbytes > max_payload:
+        raise OversizedError(
+            f"payload of {views[2].nbytes} bytes exceeds the limit of {max_payload}"
+        )
+    if secret:
+        if not signed:
+            raise AuthenticationError("unsigned message; this endpoint requires a shared secret")
+        expected = _mac(secret, views[:3])
+        if not hmac.compare_digest(expected, views[3].tobytes()):
+            raise AuthenticationError("message signature does not match the shared secret")
+    elif signed:
+        raise AuthenticationError("signed message, but this endpoint has no shared secret")
+    try:
+        op_ = Op(op)
+        status_ = Status(status)
+    except ValueError:
+        raise UnknownOpError(f"unknown op {op} or status {status}") from None
+    if ccode >= len(CODECS):
+        raise UnknownOpError(f"unknown codec code {ccode}")
+    if key_len > MAX_KEY_BYTES or views[1].nbytes != key_len:
+        raise ProtocolError(f"key frame is {views[1].nbytes} bytes, header says {key_len}")
+    if payload_len > max_payload:
+        raise OversizedError(f"payload of {payload_len} bytes exceeds the limit of {max_payload}")
+    if views[2].nbytes != payload_len:
+        raise ProtocolError(f"payload frame is {views[2].nbytes} bytes, header says {payload_len}")
+    if ndim > MAX_NDIM:
+        raise ProtocolError(f"ndim {ndim} exceeds {MAX_NDIM}")
+    shape = tuple(dims[:ndim])
+    if any(dims[ndim:]):
+        raise ProtocolError("non-zero dimensions beyond ndim")
+    dtype: torch.dtype | None = None
+    if dcode:
+        if dcode not in _DTYPES:
+            raise UnknownOpError(f"unknown dtype code {dcode}")
+        dtype = _DTYPES[dcode]
+        if math.prod(shape) * _ITEMSIZE[dcode] != payload_len:
+            raise ProtocolError(
+                f"shape {list(shape)} of {dtype} does not match {payload_len} bytes"
+            )
+    elif ndim:
+        raise ProtocolError("a shape without a dtype")
+    try:
+        key = views[1].tobytes().decode("utf-8")
+    except UnicodeDecodeError:
+        raise ProtocolError("key is not valid UTF-8") from None
+    header = Header(
+        op=op_,
+        request_id=request_id,
+        worker_id=worker_id,
+        session=session,
+        seq=seq,
+        incarnation=incarnation,
+        aux=aux,
+        priority=priority,
+        flags=flags,
+        status=status_,
+        dtype=dtype,
+        codec=CODECS[ccode],
+        shape=shape,
+        payload_len=payload_len,
+    )
+    return Message(header, key, frames[2])
+
+
+def reply(
+    request: Header,
+    *,
+    incarnation: int,
+    status: Status = Status.OK,
+    aux: int = 0,
+) -> Header:
+    """The header of the reply to ``request`` (same op, ids and key)."""
+    return Header(
+        op=request.op,
+        request_id=request.request_id,
+        worker_id=request.worker_id,
+        session=request.session,
+        seq=request.seq,
+        incarnation=incarnation,
+        aux=aux,
+        priority=request.priority,
+        flags=FLAG_REPLY,
+        status=status,
+    )

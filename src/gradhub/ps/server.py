@@ -1,0 +1,478 @@
+"""The parameter-server process: a :class:`ParameterStore` behind a ROUTER socket.
+
+One thread runs the loop: it drains every message waiting on the socket,
+queues data operations (init, push, pull) by priority, runs them, answers
+control operations (hello, heartbeat, stats, shutdown) at once, expires silent
+workers and writes checkpoints. Being single-threaded, it needs no locks and
+its checkpoints are consistent by construction.
+
+Decisions:
+- Queue order: higher priority first, equal priority first in first out; but
+  operations of one connection on one key never overtake each other (a queued
+  operation runs after the earlier ones of its lane, which inherit its
+  priority), so a pull sees its client's earlier pushes.
+- Exactly once: see :mod:`gradhub.ps.dedupe`. Every push reply carries, in
+  ``aux``, the worker's *durable* low watermark: the sequence numbers up to it
+  are in the last checkpoint (or, without checkpoints, applied). A client
+  keeps pushes above it and replays them to a restarted server, so no
+  acknowledged push is lost when a server dies between checkpoints.
+- Every reply carries the server's *incarnation* (random per start); a data
+  request naming another incarnation is answered ``STALE_INCARNATION`` so the
+  client says hello again and replays before anything else is served.
+- Pull replies send a snapshot of the value, shared by every pull until the
+  next update: ZeroMQ sends from that memory after the loop moved on, so the
+  live value (updated in place) is never handed to it.
+- Sync pushes are acknowledged once they joined their round; the pull waits
+  for the round.
+- Dropped and counted, never answered: malformed, unauthenticated, oversized
+  and unknown-op messages.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import json
+import logging
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import zmq
+
+from gradhub import codecs
+from gradhub.coordinator import DistributedGradientsCoordinator
+from gradhub.errors import (
+    AuthenticationError,
+    DuplicateParameterError,
+    ProtocolError,
+    ShapeMismatchError,
+    UnknownParameterError,
+)
+from gradhub.ps import checkpoint, protocol
+from gradhub.ps.base import check_like
+from gradhub.ps.config import ServerConfig
+from gradhub.ps.consistency import Consistency
+from gradhub.ps.dedupe import Ledger
+from gradhub.ps.protocol import Message, Op, Status
+from gradhub.ps.store import OptimizerFactory, ParameterStore
+
+log = logging.getLogger(__name__)
+
+_DATA_OPS = (Op.INIT, Op.PUSH, Op.PULL)
+_POLL_MS = 100
+
+
+def optimizer_factory(config: ServerConfig) -> OptimizerFactory | None:
+    """The ``torch.optim`` factory for ``config.optimizer`` (None for the coordinator engine)."""
+    if config.optimizer == "sgd":
+        return lambda params: torch.optim.SGD(params, lr=config.lr, momentum=config.momentum)
+    if config.optimizer == "adam":
+        return lambda params: torch.optim.Adam(params, lr=config.lr)
+    return None
+
+
+class _Engine:
+    """Applies one summed gradient to a key: the store's optimizer, or a
+    ``DistributedGradientsCoordinator`` per key for ``descent``/``ascent``."""
+
+    def __init__(self, store: ParameterStore, config: ServerConfig):
+        self.store = store
+        self.mode = config.optimizer if config.optimizer in ("descent", "ascent") else None
+        self.lr = config.lr
+        self._coordinators: dict[str, DistributedGradientsCoordinator] = {}
+
+    def apply(self, key: str, grad: torch.Tensor) -> None:
+        if self.mode is None:
+            self.store.apply(key, grad)
+            return
+        coord = self._coordinators.get(key)
+        if coord is None:
+            coord = DistributedGradientsCoordinator(self.mode, learning_rate=self.lr)
+            coord.set_model_parameters(self.store.value(key), copy=False)
+            self._coordinators[key] = coord
+        coord.add_gradients(grad, copy=False)
+        coord.apply_pending()
+
+    def close(self) -> None:
+        for coord in self._coordinators.values():
+            coord.close()
+        self._coordinators.clear()
+
+
+class Server:
+    """A parameter server bound to ``config.bind``; :meth:`serve` runs its loop.
+
+    The socket is bound in the constructor, so :attr:`address` is known before
+    serving starts (``*`` ports resolved).
+    """
+
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        self.incarnation = secrets.randbits(63) | 1
+        self.store = ParameterStore(optimizer_factory(config))
+        self.engine = _Engine(self.store, config)
+        self.consistency = Consistency(
+            config.mode, workers=config.workers, max_staleness=config.max_staleness
+        )
+        self.ledger = Ledger()
+        self.counters: dict[str, int] = dict.fromkeys(
+            (
+                "received",
+                "replied",
+                "init",
+                "push_applied",
+                "push_duplicate",
+                "updates",
+                "pull",
+                "pull_waited",
+                "errors",
+                "stale_incarnation",
+                "dropped_malformed",
+                "dropped_unauthenticated",
+                "dropped_oversized",
+                "dropped_unknown_op",
+                "workers_dropped",
+                "checkpoints",
+            ),
+            0,
+        )
+        self._durable: dict[int, tuple[int, int]] = {}
+        self._snapshots: dict[str, torch.Tensor] = {}
+        self._heap: list[tuple[int, int, tuple[bytes, str]]] = []
+        self._lanes: dict[tuple[bytes, str], deque[tuple[int, Message]]] = {}
+        self._done: set[int] = set()
+        self._counter = itertools.count()
+        self._parked: dict[str, list[Message]] = {}
+        self._dirty = False
+        self._stop = threading.Event()
+        self._closed = False
+        path = config.checkpoint_path
+        if path is not None:
+            self._restore(path)
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.linger = 0
+        self._sock.setsockopt(zmq.MAXMSGSIZE, config.max_payload + protocol.HEADER_SIZE + 4096)
+        self._sock.sndhwm = 0
+        self._sock.rcvhwm = 0
+        try:
+            self._sock.bind(config.bind)
+        except zmq.ZMQError as exc:
+            self._sock.close(0)
+            self._ctx.term()
+            raise OSError(f"cannot bind parameter server to {config.bind}: {exc}") from exc
+        self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        log.info(
+            "parameter server on %s: mode=%s optimizer=%s lr=%g workers=%d%s",
+            self.address,
+            config.mode,
+            config.optimizer,
+            config.lr,
+            config.workers,
+            " (signed)" if config.secret else "",
+        )
+
+    # ---------------------------------------------------------------- lifecycle
+    def stop(self) -> None:
+        """Ask the loop to finish (from any thread)."""
+        self._stop.set()
+
+    def serve(self) -> None:
+        """Run until :meth:`stop` or a shutdown request; checkpoints and closes on exit."""
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        hb_every = min(1.0, self.config.heartbeat_timeout / 4)
+        next_hb = time.monotonic() + hb_every
+        next_ckpt = time.monotonic() + self.config.checkpoint_every
+        try:
+            while not self._stop.is_set():
+                if poller.poll(_POLL_MS):
+                    self._drain()
+                    self._run_queue()
+                now = time.monotonic()
+                if now >= next_hb:
+                    next_hb = now + hb_every
+                    self._expire()
+                if now >= next_ckpt:
+                    next_ckpt = now + self.config.checkpoint_every
+                    self.checkpoint()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Write a last checkpoint and release the socket; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.checkpoint()
+        finally:
+            self.engine.close()
+            self._sock.close(0)
+            self._ctx.term()
+            log.info("parameter server on %s closed", self.address)
+
+    # ------------------------------------------------------------- checkpoints
+    def checkpoint(self) -> None:
+        """Write values, optimizer state, accounting and applied sequence numbers."""
+        path = self.config.checkpoint_path
+        if path is None or not self._dirty:
+            return
+        state = {
+            "format": 1,
+            "mode": self.config.mode,
+            "store": self.store.state_dict(),
+            "ledger": self.ledger.state_dict(),
+            "consistency": self.consistency.state_dict(),
+        }
+        checkpoint.save(state, path)
+        self._durable = self.ledger.lows()
+        self._dirty = False
+        self.counters["checkpoints"] += 1
+        log.debug("checkpoint written to %s", path)
+
+    def _restore(self, path: Any) -> None:
+        state = checkpoint.load(path)
+        if state is None:
+            return
+        if state.get("mode") != self.config.mode:
+            raise ValueError(
+                f"checkpoint {path} was written in mode {state.get('mode')!r}, "
+                f"this server runs {self.config.mode!r}; use another --checkpoint-dir"
+            )
+        self.store.load_state_dict(state["store"])
+        self.ledger.load_state_dict(state["ledger"])
+        self.consistency.load_state_dict(state["consistency"])
+        self._durable = self.ledger.lows()
+        log.info("resumed %d key(s) from checkpoint %s", len(self.store), path)
+
+    def _durable_low(self, worker: int, session: int) -> int:
+        if self.config.checkpoint_path is None:
+            return self.ledger.low(worker, session)
+        sess, low = self._durable.get(worker, (0, 0))
+        return low if sess == session else 0
+
+    # ---------------------------------------------------------------- receive
+    def _drain(self) -> None:
+        for _ in range(10_000):
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._receive(frames)
+
+    def _receive(self, frames: list[Any]) -> None:
+        self.counters["received"] += 1
+        if len(frames) < 2:
+            self.counters["dropped_malformed"] += 1
+            return
+        routing = frames[0].bytes
+        try:
+            msg = protocol.decode(
+                frames[1:], secret=self.config.secret, max_payload=self.config.max_payload
+            )
+            if msg.header.is_reply:
+                raise ProtocolError("a reply sent to a server")
+        except ProtocolError as exc:
+            self._count_drop(exc)
+            return
+        msg.routing = [routing]
+        h = msg.header
+        self.consistency.seen(h.worker_id, pushing=h.op == Op.PUSH)
+        if h.op in _DATA_OPS:
+            if h.incarnation != self.incarnation:
+                self.counters["stale_incarnation"] += 1
+                self._reply(msg, Status.STALE_INCARNATION, b"server restarted; say hello again")
+                return
+            lane = (routing, msg.key)
+            count = next(self._counter)
+            self._lanes.setdefault(lane, deque()).append((count, msg))
+            heapq.heappush(self._heap, (-h.priority, count, lane))
+        elif h.op == Op.HELLO:
+            self._reply(msg, aux=self.ledger.low(h.worker_id, h.session))
+        elif h.op == Op.HEARTBEAT:
+            self._reply(msg)
+        elif h.op == Op.STATS:
+            self._reply(msg, payload=json.dumps(self.stats()).encode())
+        elif h.op == Op.SHUTDOWN:
+            log.info("shutdown requested by worker %d", h.worker_id)
+            self._reply(msg)
+            self._stop.set()
+
+    def _count_drop(self, exc: ProtocolError) -> None:
+        if isinstance(exc, AuthenticationError):
+            kind = "dropped_unauthenticated"
+        elif isinstance(exc, protocol.OversizedError):
+            kind = "dropped_oversized"
+        elif isinstance(exc, protocol.UnknownOpError):
+            kind = "dropped_unknown_op"
+        else:
+            kind = "dropped_malformed"
+        self.counters[kind] += 1
+        log.debug("dropped a message: %s", exc)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "address": self.address,
+            "incarnation": self.incarnation,
+            "keys": len(self.store),
+            "parked_pulls": sum(len(v) for v in self._parked.values()),
+            "counters": dict(self.counters),
+            **self.consistency.summary(),
+        }
+
+    # ------------------------------------------------------------------ queue
+    def _run_queue(self) -> None:
+        while self._heap:
+            _, count, lane = heapq.heappop(self._heap)
+            if count in self._done:
+                self._done.discard(count)
+                continue
+            queue = self._lanes[lane]
+            while queue:
+                first, msg = queue.popleft()
+                if first != count:
+                    self._done.add(first)
+                self._execute(msg)
+                if first == count:
+                    break
+            if not queue:
+                del self._lanes[lane]
+
+    def _execute(self, msg: Message) -> None:
+        op = msg.header.op
+        try:
+            if op == Op.INIT:
+                self._init(msg)
+            elif op == Op.PUSH:
+                self._push(msg)
+            else:
+                self._pull(msg)
+        except UnknownParameterError as exc:
+            self._error(msg, Status.UNKNOWN_KEY, exc)
+        except DuplicateParameterError as exc:
+            self._error(msg, Status.DUPLICATE_KEY, exc)
+        except ShapeMismatchError as exc:
+            self._error(msg, Status.SHAPE_MISMATCH, exc)
+        except (ValueError, TypeError, ProtocolError) as exc:
+            self._error(msg, Status.BAD_REQUEST, exc)
+        except Exception as exc:
+            log.exception("%s of key %r failed", op.name, msg.key)
+            self._error(msg, Status.INTERNAL, exc)
+
+    def _error(self, msg: Message, status: Status, exc: BaseException) -> None:
+        self.counters["errors"] += 1
+        self._reply(msg, status, str(exc).encode("utf-8", errors="replace"))
+
+    def _init(self, msg: Message) -> None:
+        h = msg.header
+        if not self.ledger.applied(h.worker_id, h.session, h.seq):
+            self.store.init(msg.key, msg.tensor())
+            self.ledger.mark(h.worker_id, h.session, h.seq)
+            self._dirty = True
+            self.counters["init"] += 1
+        self._reply(msg, aux=self._durable_low(h.worker_id, h.session))
+
+    def _push(self, msg: Message) -> None:
+        h = msg.header
+        if self.ledger.applied(h.worker_id, h.session, h.seq):
+            self.counters["push_duplicate"] += 1
+            self._reply(msg, aux=self._durable_low(h.worker_id, h.session))
+            return
+        value = self.store.value(msg.key)
+        grad = msg.tensor()
+        if h.codec != "none":
+            grad = codecs.get(h.codec).decode(grad).to(value.dtype)
+        check_like(msg.key, value, grad)
+        for total in self.consistency.push(h.worker_id, msg.key, grad):
+            self._apply(msg.key, total)
+        self.ledger.mark(h.worker_id, h.session, h.seq)
+        self._dirty = True
+        self.counters["push_applied"] += 1
+        self._reply(msg, aux=self._durable_low(h.worker_id, h.session))
+        self._wake(msg.key)
+
+    def _apply(self, key: str, grad: torch.Tensor) -> None:
+        self.engine.apply(key, grad)
+        self._snapshots.pop(key, None)
+        self.counters["updates"] += 1
+
+    def _pull(self, msg: Message) -> None:
+        self.store.value(msg.key)  # unknown key: an error now, not after waiting
+        if self.consistency.pull_ready(msg.header.worker_id, msg.key):
+            self._answer_pull(msg)
+        else:
+            parked = self._parked.setdefault(msg.key, [])
+            rid = (msg.routing, msg.header.request_id)
+            if all((m.routing, m.header.request_id) != rid for m in parked):  # not a retry
+                self.counters["pull_waited"] += 1
+                parked.append(msg)
+
+    def _answer_pull(self, msg: Message) -> None:
+        snap = self._snapshots.get(msg.key)
+        if snap is None:
+            snap = self._snapshots[msg.key] = self.store.value(msg.key).detach().clone()
+        self.counters["pull"] += 1
+        self._reply(msg, payload=snap)
+
+    def _wake(self, key: str) -> None:
+        parked = self._parked.get(key)
+        if not parked:
+            return
+        waiting = []
+        for msg in parked:
+            if self.consistency.pull_ready(msg.header.worker_id, key):
+                self._answer_pull(msg)
+            else:
+                waiting.append(msg)
+        if waiting:
+            self._parked[key] = waiting
+        else:
+            del self._parked[key]
+
+    def _expire(self) -> None:
+        dropped = self.consistency.expire(self.config.heartbeat_timeout)
+        if not dropped:
+            return
+        self.counters["workers_dropped"] += len(dropped)
+        for key in self.consistency.tracked_keys():
+            for total in self.consistency.complete_rounds(key):
+                self._apply(key, total)
+                self._dirty = True
+        for key in list(self._parked):
+            self._wake(key)
+
+    # ------------------------------------------------------------------ reply
+    def _reply(
+        self,
+        msg: Message,
+        status: Status = Status.OK,
+        payload: torch.Tensor | bytes | None = None,
+        *,
+        aux: int = 0,
+    ) -> None:
+        header = protocol.reply(msg.header, incarnation=self.incarnation, status=status, aux=aux)
+        frames = protocol.encode(header, msg.key, payload, secret=self.config.secret)
+        try:
+            self._sock.send_multipart([*msg.routing, *frames], copy=False)
+        except zmq.ZMQError as exc:  # the peer went away; its retry will find us
+            log.debug("reply to worker %d lost: %s", msg.header.worker_id, exc)
+            return
+        self.counters["replied"] += 1
+
+
+def run_server(config: ServerConfig, on_ready: Callable[[str], None] | None = None) -> None:
+    """Bind, call ``on_ready(address)``, and serve until stopped (the body of ``gradhub serve``)."""
+    server = Server(config)
+    try:
+        if on_ready is not None:
+            on_ready(server.address)
+    except BaseException:
+        server.close()
+        raise
+    server.serve()
