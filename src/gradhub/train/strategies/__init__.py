@@ -15,6 +15,10 @@ from gradhub.train.strategies.base import Closure, Strategy
 # parameter-server client is only loaded by jobs that use it.
 _REGISTRY: dict[str, tuple[str, str]] = {
     "allreduce": ("gradhub.train.strategies.allreduce", "AllReduceStrategy"),
+    "ps-async": ("gradhub.train.strategies.ps", "AsyncPSStrategy"),
+    "ps-ssp": ("gradhub.train.strategies.ps", "SSPPSStrategy"),
+    "ps-sync": ("gradhub.train.strategies.ps", "SyncPSStrategy"),
+    "sharded": ("gradhub.train.strategies.sharded", "ShardedStrategy"),
 }
 
 
