@@ -1,0 +1,295 @@
+"""AllReduceParameter: a flat parameter whose slices are owned by the ranks.
+
+BigDL's ``AllReduceParameter`` on ``torch.distributed``. Rank ``p`` of ``P``
+owns slice ``p`` of the flat parameter (:func:`gradhub.partition.partition_range`):
+
+.. code-block:: python
+
+    p = AllReduceParameter(size, compress="bf16")
+    pid, start, length = p.init(weights)          # fp32 master copy of own slice
+    for batch in data:
+        p.get_weights(weights).wait()             # all-gather the published slices
+        grads = compute_gradients(weights, batch)
+        p.put_gradients(grads)                    # slice, compress, reduce-scatter
+        g = p.aggregate_gradient_partition(n)     # fp32 sum of own slice / n
+        update(p.weight_partition, g)             # e.g. ShardedOptimizer
+        p.send_weight_partition()                 # publish the updated slice
+
+Decisions (where BigDL's block-manager design does not carry over):
+
+- ``init`` is a collective: every rank's ``size`` and codec are gathered, and
+  a difference is an error on every rank (not a hang on some).
+- ``send_weight_partition`` publishes a snapshot (encoded in the codec) of
+  ``weight_partition``; ``get_weights`` gathers the published snapshots, so
+  later in-place changes to ``weight_partition`` are not seen until the next
+  ``send_weight_partition``. ``init`` publishes the initial slice.
+- Every rank, the owner included, receives the decoded wire values, so all
+  ranks hold bit-identical weights; the owner's fp32 master is unchanged.
+- ``put_gradients`` copies the gradient before it returns (the caller may
+  reuse it at once) and starts the reduce-scatter on the group's worker
+  thread; ``aggregate_gradient_partition`` waits for it. A second
+  ``put_gradients`` before ``aggregate_gradient_partition`` is an error.
+- ``gradient_partition`` holds the last aggregated slice, already divided by
+  ``avg_numbers`` (as BigDL does).
+- Parameters may be a tensor of ``size`` elements or a tree (flattened via
+  :class:`gradhub.trees.TreeSpec`; the tree given to ``init`` fixes the
+  structure). ``get_weights`` accepts either a flat tensor of ``size`` or a
+  tree of that structure.
+"""
+
+from __future__ import annotations
+
+import logging
+import zlib
+
+import torch
+
+from gradhub import codecs
+from gradhub.collective.group import CollectiveFuture, CollectiveGroup
+from gradhub.collective.ring import (
+    DEFAULT_PIPELINE_ELEMENTS,
+    Group,
+    run_all_gather,
+    run_reduce_scatter,
+)
+from gradhub.errors import ClosedError, ShapeMismatchError, StateError
+from gradhub.partition import partition_range
+from gradhub.trees import Tree, TreeSpec, as_tree
+
+_log = logging.getLogger("gradhub.collective")
+
+
+class AllReduceParameter:
+    """A flat parameter of ``size`` elements sliced over the ranks of ``group``.
+
+    ``group``: a :class:`CollectiveGroup`, a torch process group, or ``None``
+    for the default one. ``compress``: a codec name (:func:`gradhub.codecs.get`)
+    for the wire; arithmetic and master weights stay fp32. ``timeout``: seconds
+    per operation (default: the group's). Every rank must create it with the
+    same arguments and call its methods in the same order.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        *,
+        group: Group = None,
+        compress: str | codecs.Codec = "none",
+        timeout: float | None = None,
+        pipeline_elements: int = DEFAULT_PIPELINE_ELEMENTS,
+    ):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ValueError(f"size must be an int >= 0, got {size!r}")
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        self.group = CollectiveGroup.of(group)
+        self.codec = codecs.get(compress)
+        self.size = size
+        self.timeout = self.group.timeout if timeout is None else float(timeout)
+        self.partition_id = self.group.rank
+        self.partition_num = self.group.world_size
+        self._start, self._length = partition_range(size, self.partition_num, self.partition_id)
+        self._pipeline = pipeline_elements
+        device = self.group.device
+        self._weights = torch.zeros(self._length, dtype=torch.float32, device=device)
+        self._gradients = torch.zeros(self._length, dtype=torch.float32, device=device)
+        self._published: torch.Tensor | None = None
+        self._pending: CollectiveFuture[torch.Tensor] | None = None
+        self._spec: TreeSpec | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------ properties
+    @property
+    def local_partition_range(self) -> tuple[int, int]:
+        """``(start, length)`` of this rank's slice."""
+        return self._start, self._length
+
+    @property
+    def weight_partition(self) -> torch.Tensor:
+        """The fp32 master copy of this rank's slice; update it in place."""
+        return self._weights
+
+    @property
+    def gradient_partition(self) -> torch.Tensor:
+        """The last aggregated fp32 gradient of this rank's slice (divided by ``avg_numbers``)."""
+        return self._gradients
+
+    @property
+    def initialized(self) -> bool:
+        return self._spec is not None
+
+    # ---------------------------------------------------------------- methods
+    def init(self, parameter: Tree) -> tuple[int, int, int]:
+        """Keep an fp32 copy of this rank's slice of ``parameter`` and publish it.
+
+        A collective: checks that every rank has the same ``size`` and codec
+        and a parameter of ``size`` elements, else raises on every rank.
+        Returns ``(partition_id, start, length)``.
+        """
+        self._check_open("init")
+        if self._spec is not None:
+            raise StateError(f"[rank {self.partition_id}] AllReduceParameter.init called twice")
+        spec = TreeSpec.of(parameter)
+        codec_id = zlib.crc32(self.codec.name.encode())
+        rows = self.group.submit(
+            "AllReduceParameter.init",
+            lambda: self.group.all_gather_ints(
+                [self.size, spec.numel, codec_id], "AllReduceParameter.init"
+            ),
+        ).wait()
+        self._check_agreement(rows)
+        flat = spec.flatten(parameter).to(self.group.device)
+        self._weights.copy_(flat[self._start : self._start + self._length])
+        self._spec = spec
+        self.send_weight_partition()
+        _log.debug(
+            "[rank %d] AllReduceParameter(size=%d, codec=%s) owns [%d, %d)",
+            self.partition_id,
+            self.size,
+            self.codec.name,
+            self._start,
+            self._start + self._length,
+        )
+        return self.partition_id, self._start, self._length
+
+    def _check_agreement(self, rows: list[list[int]]) -> None:
+        sizes = {r: row[0] for r, row in enumerate(rows)}
+        if len(set(sizes.values())) > 1:
+            raise ShapeMismatchError(
+                "AllReduceParameter",
+                "the same size on every rank",
+                f"sizes by rank {sizes}; create it with the same size everywhere",
+                "size",
+            )
+        if len({row[2] for row in rows}) > 1:
+            raise ValueError(
+                f"[rank {self.partition_id}] AllReduceParameter codecs differ between ranks "
+                f"(this rank: {self.codec.name!r}); pass the same compress= on every rank"
+            )
+        wrong = {r: row[1] for r, row in enumerate(rows) if row[1] != self.size}
+        if wrong:
+            raise ShapeMismatchError(
+                "AllReduceParameter.init",
+                f"a parameter of {self.size} elements",
+                f"elements by rank {wrong}",
+                "size",
+            )
+
+    def get_weights(self, local_parameter: Tree) -> CollectiveFuture[Tree]:
+        """All-gather every rank's published slice into ``local_parameter``.
+
+        ``local_parameter``: a tensor of ``size`` elements or a tree like the one
+        given to ``init``; it is filled in place by the time ``wait()`` returns
+        it. Do not read or write it before then.
+        """
+        self._check_ready("get_weights")
+        assert self._spec is not None and self._published is not None
+        target = as_tree(local_parameter)
+        flat_target = isinstance(target, torch.Tensor) and target.numel() == self.size
+        if not flat_target:
+            self._spec.check(target)
+        direct = (
+            isinstance(target, torch.Tensor)
+            and flat_target
+            and target.dtype == torch.float32
+            and target.is_contiguous()
+            and target.device == self.group.device
+        )
+        wire, spec = self._published, self._spec
+
+        def body() -> Tree:
+            out = target.view(-1) if direct else None
+            gathered = run_all_gather(
+                self.group,
+                wire,
+                self.size,
+                self.codec,
+                out=out,
+                timeout=self.timeout,
+                pipeline=self._pipeline,
+                name="get_weights(all_gather)",
+            )
+            if not direct:
+                with torch.no_grad():
+                    if flat_target:
+                        target.view(-1).copy_(gathered)
+                    else:
+                        spec.unflatten_into(gathered, target)
+            return local_parameter
+
+        return self.group.submit("get_weights", body)
+
+    def put_gradients(self, gradient: Tree) -> None:
+        """Copy ``gradient`` (``size`` elements or a tree like the parameter) and
+        start reducing it: each rank ends up with the sum of its own slice."""
+        self._check_ready("put_gradients")
+        assert self._spec is not None
+        if self._pending is not None:
+            raise StateError(
+                f"[rank {self.partition_id}] put_gradients called twice; call "
+                "aggregate_gradient_partition() after each put_gradients()"
+            )
+        tree = as_tree(gradient)
+        if isinstance(tree, torch.Tensor) and tree.numel() == self.size:
+            flat = tree.detach().reshape(-1).to(self.group.device, torch.float32, copy=True)
+        else:
+            flat = self._spec.flatten(tree).to(self.group.device)
+        self._pending = self.group.submit(
+            "put_gradients",
+            lambda: run_reduce_scatter(
+                self.group,
+                flat,
+                self.codec,
+                timeout=self.timeout,
+                pipeline=self._pipeline,
+                name="put_gradients(reduce_scatter)",
+            ),
+        )
+
+    def aggregate_gradient_partition(self, avg_numbers: float = 1) -> torch.Tensor:
+        """Wait for the reduce-scatter; return the fp32 sum of this rank's slice
+        over all ranks divided by ``avg_numbers`` (also kept as ``gradient_partition``)."""
+        self._check_ready("aggregate_gradient_partition")
+        if not avg_numbers > 0:
+            raise ValueError(f"avg_numbers must be > 0, got {avg_numbers!r}")
+        if self._pending is None:
+            raise StateError(
+                f"[rank {self.partition_id}] nothing to aggregate: call put_gradients() first"
+            )
+        pending, self._pending = self._pending, None
+        total = pending.wait()
+        return self._gradients.copy_(total).div_(avg_numbers)
+
+    def send_weight_partition(self) -> None:
+        """Publish the current ``weight_partition`` (encoded) for ``get_weights``."""
+        self._check_open("send_weight_partition")
+        self._published = self.codec.encode(self._weights)
+
+    # -------------------------------------------------------------- lifecycle
+    def close(self) -> None:
+        """Refuse further use. The group stays up (it is not this object's). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pending = None
+
+    def __enter__(self) -> AllReduceParameter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise ClosedError(f"[rank {self.partition_id}] {what}: AllReduceParameter is closed")
+
+    def _check_ready(self, what: str) -> None:
+        self._check_open(what)
+        if self._spec is None:
+            raise StateError(f"[rank {self.partition_id}] {what}: call init(parameter) first")
+
+    def __repr__(self) -> str:
+        return (
+            f"AllReduceParameter(size={self.size}, partition_id={self.partition_id}, "
+            f"partition_num={self.partition_num}, compress={self.codec.name!r})"
+        )

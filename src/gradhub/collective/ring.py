@@ -1,0 +1,347 @@
+"""Reduce-scatter and all-gather with compressed wire data.
+
+``reduce_scatter(x)`` leaves rank ``r`` with the sum over ranks of its own
+slice of ``x`` (slices per :func:`gradhub.partition.partition_range`, uneven
+and empty slices included); ``all_gather(slice, size)`` puts every rank's
+slice together again. Both are bounded by the group's timeout.
+
+gloo: a ring of point-to-point ``isend``/``irecv`` (:mod:`.schedule`). Each
+rank sends ``(P-1)/P`` of the bytes once per collective, to its right-hand
+neighbour only. gloo's own reduce-scatter is built from one all-reduce per
+rank, which is why it is not used.
+
+- Every receive of an operation is posted before the first send, so no
+  message waits for its receiver to get ready.
+- Chunks are cut into messages of at most ``pipeline_elements`` elements: a
+  rank adds (or forwards) one message while the next one is on the wire.
+- Wire data is in the codec's type. Each hop decodes, adds its own fp32 values
+  in fp32, and encodes the partial sum once for the next hop; the owner adds
+  its values last and keeps the fp32 sum. With ``"fp16"`` every contribution
+  is divided by ``P`` before it is encoded, so partial sums stay within the
+  half range, and the result is multiplied back by ``P``: the functions
+  always return the plain sum. With a lossy codec, the error of the sum is
+  at most ``(P - 1) * relative_error * sum(|x_i|)`` (one rounding per hop).
+- The all-gather forwards wire bytes unchanged, and every rank, the owner
+  included, decodes the same bytes: all ranks end with the same bits.
+- Summation order is fixed (:func:`.schedule.reduction_order`), so the result
+  is bit-identical run to run and on every rank.
+
+NCCL: the native ``reduce_scatter_tensor`` and ``all_gather_into_tensor``
+(slices padded to equal length). With a lossy codec, NCCL would add in the
+wire type, so the reduce-scatter is an ``all_to_all_single`` of encoded
+slices followed by an fp32 sum in :func:`.schedule.reduction_order`: same
+bytes on the wire, arithmetic in fp32, one rounding only.
+
+Operations run on the group's worker thread in the order they are called
+(:meth:`CollectiveGroup.submit`), so several callers cannot interleave
+differently on different ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from gradhub import codecs
+from gradhub.collective.group import CollectiveGroup, Operation
+from gradhub.collective.schedule import (
+    all_gather_recv_chunk,
+    message_tag,
+    reduce_scatter_recv_chunk,
+    reduce_scatter_send_chunk,
+    reduction_order,
+    sub_ranges,
+)
+from gradhub.errors import ShapeMismatchError
+from gradhub.partition import partition_ranges
+
+DEFAULT_PIPELINE_ELEMENTS = 1 << 19
+"""Elements per message (2 MiB of fp32). Large enough that per-message costs
+vanish, small enough that adding overlaps the transfer; see
+``benchmarks/collectives.py``. Every rank must use the same value."""
+
+Group = CollectiveGroup | dist.ProcessGroup | None
+
+
+# ----------------------------------------------------------------- public API
+def reduce_scatter(
+    tensor: torch.Tensor,
+    *,
+    group: Group = None,
+    codec: str | codecs.Codec = "none",
+    timeout: float | None = None,
+    pipeline_elements: int = DEFAULT_PIPELINE_ELEMENTS,
+) -> torch.Tensor:
+    """Sum ``tensor`` over the ranks and return this rank's slice of the sum (fp32).
+
+    ``tensor`` is read as a flat vector and must have the same number of
+    elements on every rank; it is not modified.
+    """
+    g = CollectiveGroup.of(group)
+    c = codecs.get(codec)
+    flat = _flat_fp32(tensor, g.device)
+    return g.submit(
+        "reduce_scatter",
+        lambda: run_reduce_scatter(g, flat, c, timeout=timeout, pipeline=pipeline_elements),
+    ).wait()
+
+
+def all_gather(
+    partition: torch.Tensor,
+    size: int,
+    *,
+    group: Group = None,
+    codec: str | codecs.Codec = "none",
+    out: torch.Tensor | None = None,
+    timeout: float | None = None,
+    pipeline_elements: int = DEFAULT_PIPELINE_ELEMENTS,
+) -> torch.Tensor:
+    """Put every rank's ``partition`` of a flat vector of ``size`` together (fp32).
+
+    ``partition`` must have this rank's slice length. ``out`` (``size`` fp32
+    elements) is filled when given, else a new vector is returned.
+    """
+    g = CollectiveGroup.of(group)
+    c = codecs.get(codec)
+    wire = c.encode(_flat_fp32(partition, g.device))
+    return g.submit(
+        "all_gather",
+        lambda: run_all_gather(
+            g, wire, size, c, out=out, timeout=timeout, pipeline=pipeline_elements
+        ),
+    ).wait()
+
+
+# ------------------------------------------------ bodies (on the worker thread)
+def run_reduce_scatter(
+    group: CollectiveGroup,
+    flat: torch.Tensor,
+    codec: codecs.Codec,
+    *,
+    timeout: float | None = None,
+    pipeline: int = DEFAULT_PIPELINE_ELEMENTS,
+    name: str = "reduce_scatter",
+) -> torch.Tensor:
+    """The reduce-scatter itself; call it on the group's worker thread."""
+    op = group.begin(name, timeout)
+    ranges = partition_ranges(flat.numel(), group.world_size)
+    start, length = ranges[group.rank]
+    if group.world_size == 1:
+        return flat[start : start + length].clone()
+    if group.backend == "nccl":
+        return _nccl_reduce_scatter(group, op, flat, codec, ranges)
+    prescale = codec.wire_dtype == torch.float16
+    x = flat / group.world_size if prescale else flat
+    out = _ring_reduce_scatter(group, op, x, codec, ranges, pipeline)
+    return out.mul_(group.world_size) if prescale else out
+
+
+def run_all_gather(
+    group: CollectiveGroup,
+    own_wire: torch.Tensor,
+    size: int,
+    codec: codecs.Codec,
+    *,
+    out: torch.Tensor | None = None,
+    timeout: float | None = None,
+    pipeline: int = DEFAULT_PIPELINE_ELEMENTS,
+    name: str = "all_gather",
+) -> torch.Tensor:
+    """The all-gather of this rank's encoded slice; call it on the worker thread.
+
+    Returns ``out`` (or a new fp32 vector of ``size``) holding every decoded slice.
+    """
+    ranges = partition_ranges(size, group.world_size)
+    start, length = ranges[group.rank]
+    if own_wire.numel() != length:
+        raise ShapeMismatchError(
+            f"<partition of rank {group.rank}>", [length], [own_wire.numel()], "length"
+        )
+    if out is None:
+        out = torch.empty(size, dtype=torch.float32, device=group.device)
+    elif out.numel() != size or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ShapeMismatchError(
+            "<out>",
+            f"contiguous fp32 with {size} elements",
+            f"{out.numel()} {out.dtype} elements, contiguous={out.is_contiguous()}",
+        )
+    op = group.begin(name, timeout)
+    if group.world_size == 1:
+        out.view(-1)[start : start + length].copy_(codec.decode(own_wire))
+        return out
+    if group.backend == "nccl":
+        _nccl_all_gather(group, op, own_wire, out, codec, ranges)
+        return out
+    direct = codec.wire_dtype == torch.float32
+    wire = out.view(-1) if direct else torch.empty(size, dtype=codec.wire_dtype, device=out.device)
+    wire[start : start + length].copy_(own_wire)
+    _ring_all_gather(group, op, wire, ranges, pipeline)
+    if not direct:
+        out.view(-1).copy_(codec.decode(wire))
+    return out
+
+
+# ------------------------------------------------------------------ gloo ring
+class _Sender:
+    """Numbers this operation's messages to the right-hand neighbour and keeps
+    each buffer alive until its send is done."""
+
+    def __init__(self, group: CollectiveGroup, op: Operation):
+        self.group, self.op = group, op
+        self.peer = (group.rank + 1) % group.world_size
+        self.pending: list[tuple[dist.Work, torch.Tensor]] = []
+        self.count = 0
+
+    def send(self, buffer: torch.Tensor) -> None:
+        tag = message_tag(self.op.sequence, self.count)
+        self.count += 1
+        work = dist.isend(buffer, self.peer, group=self.group.process_group, tag=tag)
+        assert work is not None
+        self.pending.append((work, buffer))
+
+    def finish(self) -> None:
+        for work, _ in self.pending:
+            self.group.wait(self.op, work, self.peer)
+        self.pending.clear()
+
+
+def _post_receives(
+    group: CollectiveGroup,
+    op: Operation,
+    buffer: torch.Tensor,
+    chunks: list[int],
+    ranges: list[tuple[int, int]],
+    pipeline: int,
+) -> list[tuple[int, int, int, dist.Work]]:
+    """Post one receive per message of ``chunks`` (in order) into ``buffer``;
+    returns ``(step, start, length, work)`` in the order they will arrive."""
+    peer = (group.rank - 1) % group.world_size
+    posted: list[tuple[int, int, int, dist.Work]] = []
+    for step, chunk in enumerate(chunks):
+        for s, n in sub_ranges(*ranges[chunk], pipeline):
+            tag = message_tag(op.sequence, len(posted))
+            work = dist.irecv(buffer[s : s + n], peer, group=group.process_group, tag=tag)
+            assert work is not None
+            posted.append((step, s, n, work))
+    return posted
+
+
+def _ring_reduce_scatter(
+    group: CollectiveGroup,
+    op: Operation,
+    x: torch.Tensor,
+    codec: codecs.Codec,
+    ranges: list[tuple[int, int]],
+    pipeline: int,
+) -> torch.Tensor:
+    P, r = group.world_size, group.rank
+    left = (r - 1) % P
+    own_start, own_length = ranges[r]
+    out = torch.empty(own_length, dtype=torch.float32, device=x.device)
+    plain = isinstance(codec, codecs.NoCompression)
+    # Each chunk reaches this rank at most once, so one buffer holds every message.
+    inbox = torch.empty(x.numel(), dtype=codec.wire_dtype, device=x.device)
+    chunks = [reduce_scatter_recv_chunk(r, s, P) for s in range(P - 1)]
+    receives = _post_receives(group, op, inbox, chunks, ranges, pipeline)
+    sender = _Sender(group, op)
+    for s, n in sub_ranges(*ranges[reduce_scatter_send_chunk(r, 0, P)], pipeline):
+        sender.send(x[s : s + n] if plain else codec.encode(x[s : s + n]))
+    for step, s, n, work in receives:
+        group.wait(op, work, left)
+        received, mine = inbox[s : s + n], x[s : s + n]
+        last = step == P - 2
+        if plain:  # fp32 on the wire: add in place and forward the same buffer
+            if last:
+                torch.add(received, mine, out=out[s - own_start : s - own_start + n])
+            else:
+                sender.send(received.add_(mine))
+        else:
+            partial = codec.decode(received).add_(mine)
+            if last:
+                out[s - own_start : s - own_start + n].copy_(partial)
+            else:
+                sender.send(codec.encode(partial))
+    sender.finish()
+    return out
+
+
+def _ring_all_gather(
+    group: CollectiveGroup,
+    op: Operation,
+    wire: torch.Tensor,
+    ranges: list[tuple[int, int]],
+    pipeline: int,
+) -> None:
+    P, r = group.world_size, group.rank
+    left = (r - 1) % P
+    chunks = [all_gather_recv_chunk(r, s, P) for s in range(P - 1)]
+    receives = _post_receives(group, op, wire, chunks, ranges, pipeline)
+    sender = _Sender(group, op)
+    for s, n in sub_ranges(*ranges[r], pipeline):
+        sender.send(wire[s : s + n])
+    for step, s, n, work in receives:
+        group.wait(op, work, left)
+        if step < P - 2:
+            sender.send(wire[s : s + n])
+    sender.finish()
+
+
+# ----------------------------------------------------------------------- NCCL
+def _padded(ranges: list[tuple[int, int]]) -> int:
+    return max(n for _, n in ranges)
+
+
+def _nccl_reduce_scatter(
+    group: CollectiveGroup,
+    op: Operation,
+    x: torch.Tensor,
+    codec: codecs.Codec,
+    ranges: list[tuple[int, int]],
+) -> torch.Tensor:
+    P, r = group.world_size, group.rank
+    width = _padded(ranges)
+    own_length = ranges[r][1]
+    even = all(n == width for _, n in ranges)
+    if isinstance(codec, codecs.NoCompression):
+        send = x if even else torch.zeros(P * width, dtype=torch.float32, device=x.device)
+        if not even:
+            for c, (s, n) in enumerate(ranges):
+                send[c * width : c * width + n].copy_(x[s : s + n])
+        out = torch.empty(width, dtype=torch.float32, device=x.device)
+        work = dist.reduce_scatter_tensor(out, send, group=group.process_group, async_op=True)
+        group.wait(op, work, None)
+        return out[:own_length]
+    send = torch.zeros(P * width, dtype=codec.wire_dtype, device=x.device)
+    for c, (s, n) in enumerate(ranges):
+        send[c * width : c * width + n].copy_(codec.encode(x[s : s + n]))
+    inbox = torch.empty_like(send)
+    work = dist.all_to_all_single(inbox, send, group=group.process_group, async_op=True)
+    group.wait(op, work, None)
+    total = torch.zeros(own_length, dtype=torch.float32, device=x.device)
+    for j in reduction_order(r, P):
+        total.add_(codec.decode(inbox[j * width : j * width + own_length]))
+    return total
+
+
+def _nccl_all_gather(
+    group: CollectiveGroup,
+    op: Operation,
+    own_wire: torch.Tensor,
+    out: torch.Tensor,
+    codec: codecs.Codec,
+    ranges: list[tuple[int, int]],
+) -> None:
+    P = group.world_size
+    width = _padded(ranges)
+    mine = torch.zeros(width, dtype=codec.wire_dtype, device=out.device)
+    mine[: own_wire.numel()].copy_(own_wire)
+    gathered = torch.empty(P * width, dtype=codec.wire_dtype, device=out.device)
+    work = dist.all_gather_into_tensor(gathered, mine, group=group.process_group, async_op=True)
+    group.wait(op, work, None)
+    flat = out.view(-1)
+    for c, (s, n) in enumerate(ranges):
+        flat[s : s + n].copy_(codec.decode(gathered[c * width : c * width + n]))
+
+
+def _flat_fp32(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return tensor.detach().reshape(-1).to(device=device, dtype=torch.float32).contiguous()
