@@ -41,8 +41,8 @@ from typing import Any
 
 import torch
 
-from gradhub.errors import ClosedError, GradhubTimeoutError
-from gradhub.ps.base import ParameterServer, Replicas, as_replicas
+from gradhub.errors import ClosedError, GradhubTimeoutError, UnknownParameterError
+from gradhub.ps.base import ParameterServer, Replicas, as_replicas, check_like
 from gradhub.ps.store import OptimizerFactory, ParameterStore
 
 logger = logging.getLogger(__name__)
@@ -67,8 +67,11 @@ class LocalParameterServer(ParameterServer):
     def __init__(self, optimizer: OptimizerFactory | None = None) -> None:
         self._store = ParameterStore(optimizer)
         self._store_lock = threading.Lock()  # held while an op or init touches the store
-        self._cond = threading.Condition()  # guards the queues below
+        self._cond = threading.Condition()  # guards the queues and _known below
         self._queues: dict[str, deque[_Op]] = {}
+        # The stored tensors by key, for call-time checks without waiting for a
+        # running op (a stored tensor's shape, dtype and device never change).
+        self._known: dict[str, torch.Tensor] = {}
         self._seq = itertools.count()
         self._closed = False
         self._thread = threading.Thread(target=self._serve, name="gradhub-local-ps", daemon=True)
@@ -80,13 +83,13 @@ class LocalParameterServer(ParameterServer):
         replicas = as_replicas(values, what="values")
         with self._store_lock:
             self._store.init(key, replicas[0])
+            with self._cond:
+                self._known[key] = self._store.value(key)
 
     def push(self, key: str, grads: Replicas, priority: int = 0) -> Future[None]:
         self._check_open()
         replicas = as_replicas(grads, what="grads")
-        with self._store_lock:
-            self._store.check(key, replicas[0])
-            device = self._store.value(key).device
+        device = self._check(key, replicas[0]).device
         total = replicas[0].detach().to(device=device, copy=True)
         for g in replicas[1:]:
             total.add_(g.detach().to(device))
@@ -95,8 +98,7 @@ class LocalParameterServer(ParameterServer):
     def pull(self, key: str, weights: Replicas, priority: int = 0) -> Future[None]:
         self._check_open()
         targets = as_replicas(weights, what="weights")
-        with self._store_lock:
-            self._store.check(key, targets[0])
+        self._check(key, targets[0])
         return self._submit(key, priority, lambda: self._store.copy_into(key, targets))
 
     def close(self, timeout: float | None = 60.0) -> None:
@@ -122,8 +124,8 @@ class LocalParameterServer(ParameterServer):
         return self._store
 
     def keys(self) -> list[str]:
-        with self._store_lock:
-            return list(self._store.keys())
+        with self._cond:
+            return list(self._known)
 
     @property
     def pending(self) -> int:
@@ -141,6 +143,8 @@ class LocalParameterServer(ParameterServer):
         self._check_open()
         with self._store_lock:
             self._store.load_state_dict(state)
+            with self._cond:
+                self._known = {k: self._store.value(k) for k in self._store}
 
     def get(self, key: str) -> torch.Tensor:
         """A copy of the current value of ``key`` (queued operations not awaited)."""
@@ -151,6 +155,17 @@ class LocalParameterServer(ParameterServer):
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError("this LocalParameterServer is closed; create a new one")
+
+    def _check(self, key: str, given: torch.Tensor) -> torch.Tensor:
+        """The stored tensor of ``key`` after checking ``given`` against it."""
+        with self._cond:
+            stored = self._known.get(key)
+        if stored is None:
+            raise UnknownParameterError(
+                f"unknown parameter key {key!r}; call init({key!r}, ...) first"
+            )
+        check_like(key, stored, given)
+        return stored
 
     def _submit(self, key: str, priority: int, run: Callable[[], None]) -> Future[None]:
         if isinstance(priority, bool) or not isinstance(priority, int):

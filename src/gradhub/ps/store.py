@@ -46,8 +46,11 @@ class ParameterStore:
     def __len__(self) -> int:
         return len(self._values)
 
-    def keys(self) -> Iterator[str]:
+    def __iter__(self) -> Iterator[str]:
         return iter(list(self._values))
+
+    def keys(self) -> Iterator[str]:
+        return iter(self)
 
     def value(self, key: str) -> torch.Tensor:
         """The stored tensor itself (not a copy); ``UnknownParameterError`` if absent."""
