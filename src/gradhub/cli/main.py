@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from gradhub._version import __version__
 
-_COMMANDS = ("demo",)
+_COMMANDS = ("demo", "serve")
 
 
 def build_parser() -> argparse.ArgumentParser:

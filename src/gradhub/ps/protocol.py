@@ -147,13 +147,17 @@ class Message:
     routing: list[Any] = field(default_factory=list)  # ROUTER identity frames, if any
 
     def tensor(self) -> torch.Tensor:
-        """The payload as a tensor of the header's dtype and shape, without a copy."""
+        """The payload as a tensor of the header's dtype and shape, without a copy
+        (read-only buffers such as ``bytes`` are copied first)."""
         h = self.header
         if h.dtype is None:
             raise ProtocolError(f"{h.op.name} message for key {self.key!r} carries no tensor")
         if h.payload_len == 0:
             return torch.empty(h.shape, dtype=h.dtype)
-        return torch.frombuffer(self.payload, dtype=h.dtype).view(h.shape)
+        buf = memoryview(self.payload)
+        if buf.readonly:  # e.g. bytes; ZeroMQ frames are writable and never copied
+            buf = memoryview(bytearray(buf))
+        return torch.frombuffer(buf, dtype=h.dtype).view(h.shape)
 
     def text(self) -> str:
         """The payload as UTF-8 text (error replies)."""

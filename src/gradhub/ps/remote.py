@@ -311,7 +311,7 @@ class RemoteParameterServer(ParameterServer):
         with self._lock:
             if self._submitted:
                 return True
-        return any(s.inflight or s.heap for s in self._servers)
+        return any(s.inflight or s.lanes for s in self._servers)
 
     def _layout(self, key: str, nbytes: int, numel: int) -> list[tuple[str, int, slice | None]]:
         n = len(self._servers)
