@@ -142,3 +142,27 @@ def _small_batch(rank: int, world_size: int) -> str:
 def test_batch_smaller_than_workers_is_an_error() -> None:
     for r in run_ranks(_small_batch, 2, timeout=60):
         assert "batch size 1 is smaller than the number of workers (2)" in r.value
+
+
+def _uneven_sharded(rank: int, world_size: int, compress: str) -> list[np.ndarray]:
+    runtime = gradhub.init(timeout=30)
+    model = tiny_model(seed=0 if rank == 0 else 7)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)  # a template
+    strategy = make_strategy("sharded", compress=compress)
+    strategy.setup(model, opt, runtime)
+    x, y = uneven_part(rank)
+    for _ in range(3):
+        strategy.step(lambda: torch.nn.functional.cross_entropy(model(x), y), len(x), 8)
+    strategy.close()
+    runtime.close()
+    return [p.detach().numpy().copy() for p in model.parameters()]
+
+
+def test_sharded_uneven_batches_equal_single_process_steps() -> None:
+    results = run_ranks(_uneven_sharded, 2, "none", timeout=90)
+    expected = reference_step(lambda p: torch.optim.SGD(p, lr=0.5, momentum=0.9), steps=3)
+    for r in results:
+        for got, want in zip(r.value, expected, strict=True):
+            # Same arithmetic as allreduce (weighted fp32 sums, one division),
+            # in ring order: a few ulps of values ~1.
+            torch.testing.assert_close(torch.from_numpy(got), want, rtol=0, atol=1e-6)

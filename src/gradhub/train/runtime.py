@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradhub.collective.group import destroy_process_group, init_process_group_from_env
 from gradhub.errors import ClosedError, CollectiveTimeoutError, GradhubError, WorkerFailedError
 
 log = logging.getLogger(__name__)
@@ -137,8 +138,8 @@ class Runtime:
         if self._closed:
             return
         self._closed = True
-        if self.owns_group and dist.is_initialized():
-            dist.destroy_process_group()
+        if self.owns_group:
+            destroy_process_group()
 
     def __enter__(self) -> Runtime:
         return self
@@ -167,14 +168,12 @@ def _pick_backend(backend: str | None) -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def _init_process_group(
-    backend: str, rank: int, world_size: int, timeout: float, launched: bool
-) -> None:
+def _init_process_group(backend: str, timeout: float, launched: bool) -> None:
     """Create the default group: from the launcher's env, or alone on a local store."""
-    td = timedelta(seconds=timeout)
     if launched:
-        dist.init_process_group(backend, init_method="env://", timeout=td)
+        init_process_group_from_env(backend=backend, timeout=timeout)
     else:
+        td = timedelta(seconds=timeout)
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=td)
 
 
@@ -204,7 +203,7 @@ def init(*, backend: str | None = None, timeout: float = 60.0) -> Runtime:
 
     owns = not dist.is_initialized()
     if owns:
-        _init_process_group(backend, rank, world_size, timeout, launched)
+        _init_process_group(backend, timeout, launched)
     else:
         backend = str(dist.get_backend())
         rank, world_size = dist.get_rank(), dist.get_world_size()

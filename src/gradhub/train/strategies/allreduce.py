@@ -88,23 +88,11 @@ class AllReduceStrategy(Strategy):
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("the model has no parameters that require gradients")
-        self._broadcast_state(model)
+        self._broadcast_from_rank0(model)
         self._build_buckets(params)
         if self.config.overlap:
             for p in params:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
-
-    def _broadcast_state(self, model: torch.nn.Module) -> None:
-        tensors = [t.data for t in model.parameters()] + [b for b in model.buffers()]
-        tensors = [t for t in tensors if t.is_floating_point()]
-        if self.runtime.world_size == 1 or not tensors:
-            return
-        flat = torch.cat([t.reshape(-1).float() for t in tensors])
-        self._wait(dist.broadcast(flat, src=0, async_op=True), "broadcast")
-        offset = 0
-        for t in tensors:
-            t.copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
 
     def _build_buckets(self, params: list[torch.nn.Parameter]) -> None:
         limit = max(1, int(self.config.bucket_mb * 1024 * 1024 / 4))

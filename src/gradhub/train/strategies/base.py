@@ -35,6 +35,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 
 from gradhub.errors import ClosedError, StateError
 from gradhub.train.runtime import Runtime
@@ -106,6 +107,19 @@ class Strategy(abc.ABC):
                 f"need 0 <= samples <= global_samples and global_samples > 0, "
                 f"got samples={samples}, global_samples={global_samples}"
             )
+
+    def _broadcast_from_rank0(self, model: torch.nn.Module) -> None:
+        """Give every replica rank 0's parameters and floating-point buffers."""
+        tensors = [t.data for t in model.parameters()] + list(model.buffers())
+        tensors = [t for t in tensors if t.is_floating_point()]
+        if self.runtime.world_size == 1 or not tensors:
+            return
+        flat = torch.cat([t.reshape(-1).float() for t in tensors])
+        self._wait(dist.broadcast(flat, src=0, async_op=True), "broadcast")
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
 
     def _wait(self, work: Any, operation: str) -> None:
         """Bounded wait on a c10d work item; failures name the rank(s) responsible."""
