@@ -59,7 +59,7 @@ def add_parser(sub: Any) -> None:
         help="strategy to run (repeatable; default: all)",
     )
     p.add_argument("--workers", type=int, default=4, help="workers per strategy (default 4)")
-    p.add_argument("--epochs", type=int, default=30, help="passes over the data (default 30)")
+    p.add_argument("--epochs", type=int, default=20, help="passes over the data (default 20)")
     p.add_argument("--learning-rate", type=float, default=0.5, help="step size (default 0.5)")
     p.add_argument("--seed", type=int, default=0, help="data split and order seed (default 0)")
     p.set_defaults(handler=run)
