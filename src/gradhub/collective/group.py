@@ -116,22 +116,25 @@ class CollectiveFuture(Generic[T]):
         default it waits as long as the operation (and those before it) may take."""
         begin = time.monotonic()
         while True:
-            try:
-                return self._future.result(timeout=0.5)
-            except concurrent.futures.TimeoutError:
-                now = time.monotonic()
-                if timeout is not None and now - begin >= timeout:
-                    raise CollectiveTimeoutError(
-                        self._operation, [], timeout, "the caller's wait ran out first"
-                    ) from None
-                started = self._started
-                if started is not None and now - started > self._timeout + _FUTURE_GRACE:
-                    raise CollectiveTimeoutError(
-                        self._operation,
-                        [],
-                        self._timeout,
-                        "the operation did not return past its own deadline",
-                    ) from None
+            # Poll with concurrent.futures.wait: result(timeout=) raises TimeoutError
+            # on expiry, which CollectiveTimeoutError (the operation's own error)
+            # also is, and the two must not be confused.
+            done, _ = concurrent.futures.wait([self._future], timeout=0.5)
+            if done:
+                return self._future.result()
+            now = time.monotonic()
+            if timeout is not None and now - begin >= timeout:
+                raise CollectiveTimeoutError(
+                    self._operation, [], timeout, "the caller's wait ran out first"
+                )
+            started = self._started
+            if started is not None and now - started > self._timeout + _FUTURE_GRACE:
+                raise CollectiveTimeoutError(
+                    self._operation,
+                    [],
+                    self._timeout,
+                    "the operation did not return past its own deadline",
+                )
 
 
 class CollectiveGroup:
@@ -250,7 +253,9 @@ class CollectiveGroup:
         absent = self.missing_ranks(op.sequence)
         if absent:
             missing = absent
-            detail = f"rank(s) {', '.join(map(str, absent))} did not enter the operation"
+            detail = "not entered the operation"
+            if peer is not None:
+                detail += f"; rank {self.rank} was waiting on rank {peer}"
         elif peer is not None:
             missing = [peer]
             detail = f"rank {self.rank} was waiting on rank {peer}" + (
