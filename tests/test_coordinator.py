@@ -277,3 +277,13 @@ def test_close_refuses_further_use() -> None:
         coord.add_gradients(torch.ones(3))
     with pytest.raises(ClosedError):
         coord.start()
+
+
+def test_large_finite_values_whose_sum_overflows_are_accepted() -> None:
+    # The fast finiteness check sums the gradient; an overflowing sum of finite
+    # values must fall back to the exact check, not refuse the gradient.
+    coord = make(params=torch.zeros(4))
+    assert coord.add_gradients(torch.full((4,), 3e38)) == 1
+    with pytest.raises(NonFiniteError):
+        coord.add_gradients(torch.tensor([3e38, 3e38, float("inf"), 0.0]))
+    assert coord.pending == 1

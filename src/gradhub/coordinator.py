@@ -12,8 +12,8 @@ Decisions (where DESIGN 3 is silent):
   parameters' :class:`~gradhub.trees.TreeSpec` (``ShapeMismatchError``), then
   finiteness (``NonFiniteError`` under ``nonfinite="error"``; silently dropped
   under ``"skip"``). A refused gradient is never queued and counts in
-  ``rejected``. The non-finite check costs one read of the gradient in the
-  caller's thread, not in the apply thread.
+  ``rejected``. The non-finite check costs one read of the gradient (a sum)
+  in the caller's thread, not in the apply thread.
 - ``copy=True`` snapshots the gradient at once, converted to each parameter's
   dtype and device, so the caller may reuse its buffers. ``copy=False`` queues
   the caller's tensors: they must not change until applied.
@@ -74,6 +74,19 @@ def _check_nonfinite(policy: str) -> str:
     if policy not in _NONFINITE:
         raise ValueError(f"nonfinite must be 'error' or 'skip', got {policy!r}")
     return policy
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    """True if no element is NaN or infinite.
+
+    A NaN or infinite element makes the sum NaN or infinite, so a finite sum
+    proves every element finite in one read without a mask (``isfinite().all()``
+    is many times slower on CPU). Only a non-finite sum, which finite values can
+    also produce by overflowing, needs the exact elementwise check.
+    """
+    if bool(torch.isfinite(t.sum())):
+        return True
+    return bool(torch.isfinite(t).all())
 
 
 class DistributedGradientsCoordinator:
@@ -196,7 +209,7 @@ class DistributedGradientsCoordinator:
         try:
             grads = spec.leaves(gradients)
             for i, g in enumerate(grads):
-                if g.is_floating_point() and not bool(torch.isfinite(g).all()):
+                if g.is_floating_point() and not _all_finite(g):
                     if policy == "skip":
                         with self._cond:
                             self._rejected += 1
