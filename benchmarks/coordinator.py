@@ -14,8 +14,8 @@ parameter vector (default 25M elements = 100 MB):
 
 Bandwidth counts the bytes of ``a += b``: read a, read b, write a = 12 bytes
 per fp32 element per gradient (``GB/s = 12 * n * gradients / seconds / 1e9``).
-Medians over the rounds; the spread is min-max. Writes JSON (``--json``) and
-prints a Markdown table.
+Medians over the rounds; the spread is min-max. Writes JSON (``--json``) and a
+Markdown table (``--markdown``, also printed).
 
     python benchmarks/coordinator.py [--elements 25000000] [--rounds 7] [--per-round 8]
 """
@@ -82,6 +82,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--per-round", type=int, default=8, help="gradients per timed round")
     parser.add_argument("--json", default="benchmarks/results/coordinator.json")
+    parser.add_argument("--markdown", default="benchmarks/results/coordinator.md")
     args = parser.parse_args()
 
     n, k = args.elements, args.per_round
@@ -137,19 +138,24 @@ def main() -> None:
     with open(args.json, "w") as f:
         json.dump(report, f, indent=2)
 
-    print(
+    lines = [
         f"{n:,} fp32 elements ({n * 4 / 1e6:.0f} MB), {k} gradients per round, "
-        f"{args.rounds} rounds, medians; GB/s counts 12 bytes/element (read a, read b, write a)"
-    )
-    print()
-    print("| case | gradients/s | GB/s (min-max) | vs torch a += b |")
-    print("| --- | ---: | ---: | ---: |")
+        f"{args.rounds} rounds, medians; GB/s counts 12 bytes/element (read a, read b, write a); "
+        f"{os.cpu_count()} CPUs, torch {torch.__version__} with {torch.get_num_threads()} threads",
+        "",
+        "| case | gradients/s | GB/s (min-max) | vs torch a += b |",
+        "| --- | ---: | ---: | ---: |",
+    ]
     for r in rows:
-        print(
+        lines.append(
             f"| {r['case']} | {r['gradients_per_s']:.1f} | {r['gb_per_s']:.2f} "
             f"({r['gb_per_s_min']:.2f}-{r['gb_per_s_max']:.2f}) | "
             f"{r['fraction_of_torch_add']:.0%} |"
         )
+    table = "\n".join(lines) + "\n"
+    with open(args.markdown, "w") as f:
+        f.write(table)
+    print(table, end="")
 
 
 if __name__ == "__main__":
