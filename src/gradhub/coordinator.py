@@ -203,7 +203,8 @@ class DistributedGradientsCoordinator:
         """
         self._check_open()
         policy = self._nonfinite if nonfinite is None else _check_nonfinite(nonfinite)
-        spec, params = self._spec, self._leaves
+        with self._cond:  # set_model_parameters swaps both under this lock
+            spec, params = self._spec, self._leaves
         if spec is None:
             raise StateError("no model parameters set; call set_model_parameters() first")
         try:
