@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from gradhub._version import __version__
 
-_COMMANDS = ("demo", "serve")
+_COMMANDS = ("demo", "plot", "run", "serve")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,86 @@
+"""One process of a ``gradhub demo`` job: ``python -m gradhub.cli.demo_job ...``.
+
+``gradhub demo`` starts this module on every worker through
+:func:`gradhub.train.launch.launch` (torchrun underneath), once per strategy.
+It trains a small MLP on scikit-learn's digits with
+:class:`~gradhub.DataParallelTrainer`; rank 0 writes the result as
+``result.json`` in the run folder, which the demo reads for its table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+import gradhub
+from gradhub.train.threaded import load_digits_split
+
+
+def make_mlp(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+
+
+def train(
+    strategy: str,
+    *,
+    run_dir: Path,
+    epochs: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+    progress: bool = True,
+) -> gradhub.FitResult:
+    """Train the digits MLP with ``strategy`` in this process of the job."""
+    x_train, y_train, x_test, y_test = load_digits_split(0.2, seed)
+    model = make_mlp(seed)
+    # ps-* strategies use the servers' optimizer; the others this one.
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    with gradhub.init(timeout=60) as runtime:
+        with gradhub.DataParallelTrainer(
+            model, optimizer, strategy=strategy, runtime=runtime
+        ) as trainer:
+            result = trainer.fit(
+                (x_train, y_train),
+                eval_data=(x_test, y_test),
+                epochs=epochs,
+                batch_size=batch_size,
+                seed=seed,
+                run_dir=run_dir,
+                progress=progress,
+            )
+        if runtime.is_main:
+            (Path(run_dir) / "result.json").write_text(json.dumps(asdict(result)))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m gradhub.cli.demo_job")
+    p.add_argument("--strategy", required=True)
+    p.add_argument("--run-dir", type=Path, required=True)
+    p.add_argument("--epochs", type=int, default=15)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    train(
+        args.strategy,
+        run_dir=args.run_dir,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        seed=args.seed,
+        progress=not args.no_progress,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

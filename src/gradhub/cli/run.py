@@ -1,0 +1,63 @@
+"""``gradhub run -n N [--servers S] script.py [args]``: a local training job.
+
+A thin front over :func:`gradhub.train.launch.launch`, which hands the
+worker processes to ``torch.distributed.run``. The script calls
+``gradhub.init()``; the same script runs under ``torchrun`` unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from gradhub.ps.config import MODES, OPTIMIZERS, ServerConfig, read_secret_file
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "run",
+        help="run a training script on N local processes (torchrun underneath)",
+        description="Run SCRIPT on N local worker processes through torch.distributed.run. "
+        "With --servers, start parameter servers first; the ps-* strategies find them.",
+    )
+    p.add_argument("-n", "--nproc", type=int, required=True, help="worker processes")
+    p.add_argument("--servers", type=int, default=0, help="parameter servers to start first")
+    p.add_argument("--ps-mode", choices=MODES, default="async", help="servers' consistency mode")
+    p.add_argument("--ps-optimizer", choices=OPTIMIZERS, default="sgd", help="servers' optimizer")
+    p.add_argument("--ps-lr", type=float, default=0.01, help="servers' learning rate")
+    p.add_argument("--ps-momentum", type=float, default=0.0, help="servers' SGD momentum")
+    p.add_argument("--max-staleness", type=int, default=0, help="ssp bound in steps")
+    p.add_argument("--ps-secret-file", help="shared secret for the servers (HMAC)")
+    p.add_argument("--master-port", type=int, help="port of the job's store (default: free)")
+    p.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name")
+    p.add_argument("script", help="the training script (or module with -m)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from gradhub.train.launch import LaunchConfig, launch
+
+    try:
+        server = ServerConfig(
+            optimizer=args.ps_optimizer,
+            lr=args.ps_lr,
+            momentum=args.ps_momentum,
+            mode=args.ps_mode,
+            workers=max(1, args.nproc),
+            max_staleness=args.max_staleness,
+            secret=read_secret_file(args.ps_secret_file) if args.ps_secret_file else None,
+        )
+        config = LaunchConfig(
+            nproc=args.nproc,
+            target=[args.script, *args.script_args],
+            module=args.module,
+            servers=args.servers,
+            server=server,
+            master_port=args.master_port,
+        )
+    except (ValueError, OSError) as exc:
+        print(f"gradhub run: {exc}", file=sys.stderr)
+        return 2
+    return launch(config)
