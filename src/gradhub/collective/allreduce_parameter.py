@@ -30,7 +30,9 @@ Decisions (where BigDL's block-manager design does not carry over):
   thread; ``aggregate_gradient_partition`` waits for it. A second
   ``put_gradients`` before ``aggregate_gradient_partition`` is an error.
 - ``gradient_partition`` holds the last aggregated slice, already divided by
-  ``avg_numbers`` (as BigDL does).
+  ``avg_numbers`` (as BigDL does). The reduce-scatter writes into it, so it is
+  only meaningful after ``aggregate_gradient_partition`` returns. Buffers
+  are reused from step to step (no large allocation per step).
 - Parameters may be a tensor of ``size`` elements or a tree (flattened via
   :class:`gradhub.trees.TreeSpec`; the tree given to ``init`` fixes the
   structure). ``get_weights`` accepts either a flat tensor of ``size`` or a
@@ -95,6 +97,7 @@ class AllReduceParameter:
         self._gradients = torch.zeros(self._length, dtype=torch.float32, device=device)
         self._published: torch.Tensor | None = None
         self._pending: CollectiveFuture[torch.Tensor] | None = None
+        self._staging: torch.Tensor | None = None
         self._spec: TreeSpec | None = None
         self._closed = False
 
@@ -230,16 +233,22 @@ class AllReduceParameter:
                 "aggregate_gradient_partition() after each put_gradients()"
             )
         tree = as_tree(gradient)
+        # One staging vector, reused: the previous reduce-scatter that read it
+        # has finished (aggregate_gradient_partition waited for it).
+        if self._staging is None:
+            self._staging = torch.empty(self.size, dtype=torch.float32, device=self.group.device)
+        staging = self._staging
         if isinstance(tree, torch.Tensor) and tree.numel() == self.size:
-            flat = tree.detach().reshape(-1).to(self.group.device, torch.float32, copy=True)
+            staging.copy_(tree.detach().reshape(-1))
         else:
-            flat = self._spec.flatten(tree).to(self.group.device)
+            self._spec.flatten(tree, out=staging)  # validates before it writes
         self._pending = self.group.submit(
             "put_gradients",
             lambda: run_reduce_scatter(
                 self.group,
-                flat,
+                staging,
                 self.codec,
+                out=self._gradients,
                 timeout=self.timeout,
                 pipeline=self._pipeline,
                 name="put_gradients(reduce_scatter)",
@@ -257,8 +266,8 @@ class AllReduceParameter:
                 f"[rank {self.partition_id}] nothing to aggregate: call put_gradients() first"
             )
         pending, self._pending = self._pending, None
-        total = pending.wait()
-        return self._gradients.copy_(total).div_(avg_numbers)
+        pending.wait()  # the sum is now in self._gradients
+        return self._gradients.div_(avg_numbers)
 
     def send_weight_partition(self) -> None:
         """Publish the current ``weight_partition`` (encoded) for ``get_weights``."""

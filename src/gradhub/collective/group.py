@@ -175,6 +175,7 @@ class CollectiveGroup:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._broken: str | None = None
         self._closed = False
+        self._scratch: dict[tuple[str, torch.dtype], torch.Tensor] = {}
         self._check_in(0)
 
     # ----------------------------------------------------------------- set-up
@@ -305,6 +306,19 @@ class CollectiveGroup:
         future._future = self._executor.submit(run)
         return future
 
+    def scratch(self, slot: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A reusable buffer of ``numel`` elements for ``slot`` (grown, never shrunk).
+
+        For the bodies of operations, which run one at a time on the worker
+        thread: fresh large buffers every call would cost a page fault per 4 KiB,
+        as much as the transfer itself on a CPU. Never hand one to a caller.
+        """
+        buf = self._scratch.get((slot, dtype))
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=dtype, device=self.device)
+            self._scratch[(slot, dtype)] = buf
+        return buf[:numel]
+
     def all_gather_ints(self, values: list[int], name: str) -> list[list[int]]:
         """Every rank's ``values`` (same length on every rank), by rank."""
         op = self.begin(name)
@@ -325,6 +339,7 @@ class CollectiveGroup:
         self._closed = True
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+        self._scratch.clear()
         for key, g in list(_GROUPS.items()):
             if g is self:
                 del _GROUPS[key]

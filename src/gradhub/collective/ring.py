@@ -26,8 +26,9 @@ rank, which is why it is not used.
 - Summation order is fixed (:func:`.schedule.reduction_order`), so the result
   is bit-identical run to run and on every rank.
 
-NCCL: the native ``reduce_scatter_tensor`` and ``all_gather_into_tensor``
-(slices padded to equal length). With a lossy codec, NCCL would add in the
+NCCL: the native reduce-scatter and all-gather (``reduce_scatter_single`` and
+``all_gather_single``; ``*_tensor`` before torch 2.13), slices padded to equal
+length. With a lossy codec, NCCL would add in the
 wire type, so the reduce-scatter is an ``all_to_all_single`` of encoded
 slices followed by an fp32 sum in :func:`.schedule.reduction_order`: same
 bytes on the wire, arithmetic in fp32, one rounding only.
@@ -55,12 +56,17 @@ from gradhub.collective.schedule import (
 from gradhub.errors import ShapeMismatchError
 from gradhub.partition import partition_ranges
 
-DEFAULT_PIPELINE_ELEMENTS = 1 << 19
-"""Elements per message (2 MiB of fp32). Large enough that per-message costs
+DEFAULT_PIPELINE_ELEMENTS = 1 << 21
+"""Elements per message (8 MiB of fp32). Large enough that per-message costs
 vanish, small enough that adding overlaps the transfer; see
 ``benchmarks/collectives.py``. Every rank must use the same value."""
 
 Group = CollectiveGroup | dist.ProcessGroup | None
+
+# torch 2.13 renamed the tensor collectives (the old names warn); older torch
+# has only the old names.
+_reduce_scatter_native = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_native = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 # ----------------------------------------------------------------- public API
@@ -69,20 +75,24 @@ def reduce_scatter(
     *,
     group: Group = None,
     codec: str | codecs.Codec = "none",
+    out: torch.Tensor | None = None,
     timeout: float | None = None,
     pipeline_elements: int = DEFAULT_PIPELINE_ELEMENTS,
 ) -> torch.Tensor:
     """Sum ``tensor`` over the ranks and return this rank's slice of the sum (fp32).
 
     ``tensor`` is read as a flat vector and must have the same number of
-    elements on every rank; it is not modified.
+    elements on every rank; it is not modified. ``out`` (contiguous fp32 of
+    this rank's slice length) is filled when given, else a new tensor is returned.
     """
     g = CollectiveGroup.of(group)
     c = codecs.get(codec)
     flat = _flat_fp32(tensor, g.device)
     return g.submit(
         "reduce_scatter",
-        lambda: run_reduce_scatter(g, flat, c, timeout=timeout, pipeline=pipeline_elements),
+        lambda: run_reduce_scatter(
+            g, flat, c, out=out, timeout=timeout, pipeline=pipeline_elements
+        ),
     ).wait()
 
 
@@ -103,7 +113,9 @@ def all_gather(
     """
     g = CollectiveGroup.of(group)
     c = codecs.get(codec)
-    wire = c.encode(_flat_fp32(partition, g.device))
+    flat = _flat_fp32(partition, g.device)
+    # fp32 on the wire: the slice is copied into place by the all-gather itself.
+    wire = flat if isinstance(c, codecs.NoCompression) else c.encode(flat)
     return g.submit(
         "all_gather",
         lambda: run_all_gather(
@@ -118,21 +130,33 @@ def run_reduce_scatter(
     flat: torch.Tensor,
     codec: codecs.Codec,
     *,
+    out: torch.Tensor | None = None,
     timeout: float | None = None,
     pipeline: int = DEFAULT_PIPELINE_ELEMENTS,
     name: str = "reduce_scatter",
 ) -> torch.Tensor:
-    """The reduce-scatter itself; call it on the group's worker thread."""
-    op = group.begin(name, timeout)
+    """The reduce-scatter itself; call it on the group's worker thread.
+
+    Returns ``out`` (or a new fp32 tensor) holding this rank's slice of the sum.
+    """
     ranges = partition_ranges(flat.numel(), group.world_size)
     start, length = ranges[group.rank]
+    out = _check_out(out, length, flat.device)
+    op = group.begin(name, timeout)
+    flat_out = out.view(-1)
     if group.world_size == 1:
-        return flat[start : start + length].clone()
+        flat_out.copy_(flat[start : start + length])
+        return out
     if group.backend == "nccl":
-        return _nccl_reduce_scatter(group, op, flat, codec, ranges)
+        flat_out.copy_(_nccl_reduce_scatter(group, op, flat, codec, ranges))
+        return out
     prescale = codec.wire_dtype == torch.float16
-    x = flat / group.world_size if prescale else flat
-    out = _ring_reduce_scatter(group, op, x, codec, ranges, pipeline)
+    x = flat
+    if prescale:
+        x = torch.div(
+            flat, group.world_size, out=group.scratch("prescale", flat.numel(), flat.dtype)
+        )
+    _ring_reduce_scatter(group, op, x, codec, ranges, pipeline, flat_out)
     return out.mul_(group.world_size) if prescale else out
 
 
@@ -157,14 +181,7 @@ def run_all_gather(
         raise ShapeMismatchError(
             f"<partition of rank {group.rank}>", [length], [own_wire.numel()], "length"
         )
-    if out is None:
-        out = torch.empty(size, dtype=torch.float32, device=group.device)
-    elif out.numel() != size or out.dtype != torch.float32 or not out.is_contiguous():
-        raise ShapeMismatchError(
-            "<out>",
-            f"contiguous fp32 with {size} elements",
-            f"{out.numel()} {out.dtype} elements, contiguous={out.is_contiguous()}",
-        )
+    out = _check_out(out, size, group.device)
     op = group.begin(name, timeout)
     if group.world_size == 1:
         out.view(-1)[start : start + length].copy_(codec.decode(own_wire))
@@ -173,7 +190,7 @@ def run_all_gather(
         _nccl_all_gather(group, op, own_wire, out, codec, ranges)
         return out
     direct = codec.wire_dtype == torch.float32
-    wire = out.view(-1) if direct else torch.empty(size, dtype=codec.wire_dtype, device=out.device)
+    wire = out.view(-1) if direct else group.scratch("all_gather", size, codec.wire_dtype)
     wire[start : start + length].copy_(own_wire)
     _ring_all_gather(group, op, wire, ranges, pipeline)
     if not direct:
@@ -233,14 +250,14 @@ def _ring_reduce_scatter(
     codec: codecs.Codec,
     ranges: list[tuple[int, int]],
     pipeline: int,
-) -> torch.Tensor:
+    out: torch.Tensor,
+) -> None:
     P, r = group.world_size, group.rank
     left = (r - 1) % P
-    own_start, own_length = ranges[r]
-    out = torch.empty(own_length, dtype=torch.float32, device=x.device)
+    own_start = ranges[r][0]
     plain = isinstance(codec, codecs.NoCompression)
     # Each chunk reaches this rank at most once, so one buffer holds every message.
-    inbox = torch.empty(x.numel(), dtype=codec.wire_dtype, device=x.device)
+    inbox = group.scratch("reduce_scatter", x.numel(), codec.wire_dtype)
     chunks = [reduce_scatter_recv_chunk(r, s, P) for s in range(P - 1)]
     receives = _post_receives(group, op, inbox, chunks, ranges, pipeline)
     sender = _Sender(group, op)
@@ -262,7 +279,6 @@ def _ring_reduce_scatter(
             else:
                 sender.send(codec.encode(partial))
     sender.finish()
-    return out
 
 
 def _ring_all_gather(
@@ -308,7 +324,7 @@ def _nccl_reduce_scatter(
             for c, (s, n) in enumerate(ranges):
                 send[c * width : c * width + n].copy_(x[s : s + n])
         out = torch.empty(width, dtype=torch.float32, device=x.device)
-        work = dist.reduce_scatter_tensor(out, send, group=group.process_group, async_op=True)
+        work = _reduce_scatter_native(out, send, group=group.process_group, async_op=True)
         group.wait(op, work, None)
         return out[:own_length]
     send = torch.zeros(P * width, dtype=codec.wire_dtype, device=x.device)
@@ -336,11 +352,23 @@ def _nccl_all_gather(
     mine = torch.zeros(width, dtype=codec.wire_dtype, device=out.device)
     mine[: own_wire.numel()].copy_(own_wire)
     gathered = torch.empty(P * width, dtype=codec.wire_dtype, device=out.device)
-    work = dist.all_gather_into_tensor(gathered, mine, group=group.process_group, async_op=True)
+    work = _all_gather_native(gathered, mine, group=group.process_group, async_op=True)
     group.wait(op, work, None)
     flat = out.view(-1)
     for c, (s, n) in enumerate(ranges):
         flat[s : s + n].copy_(codec.decode(gathered[c * width : c * width + n]))
+
+
+def _check_out(out: torch.Tensor | None, numel: int, device: torch.device) -> torch.Tensor:
+    if out is None:
+        return torch.empty(numel, dtype=torch.float32, device=device)
+    if out.numel() != numel or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ShapeMismatchError(
+            "<out>",
+            f"contiguous fp32 with {numel} elements",
+            f"{out.dtype} with {out.numel()} elements, contiguous={out.is_contiguous()}",
+        )
+    return out
 
 
 def _flat_fp32(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
