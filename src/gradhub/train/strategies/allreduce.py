@@ -1,9 +1,12 @@
 """``allreduce``: synchronous data parallelism, gradients weighted by samples.
 
-Each rank scales its mean-loss gradient by the samples it processed, the
-ranks all-reduce (sum) those and the sample counts, and divide: the result is
-the gradient of the mean loss over the whole global batch, exact for uneven
-per-rank batches (averaging by world size, as DDP does, is not).
+Each rank scales its mean-loss gradient by its share of the global batch
+(``samples / global_samples``) and the ranks all-reduce (sum) those, together
+with the sample counts: the result is the gradient of the mean loss over the
+whole global batch, exact for uneven per-rank batches (averaging by world
+size, as DDP does, is not). The summed sample count checks the weights; if
+the ranks' ``global_samples`` disagreed with it, the sum is rescaled to the
+true count, so the result is always sum(n_i * g_i) / sum(n_i).
 
 Speed:
 - Gradients go into flat buckets of about ``bucket_mb`` megabytes, filled in
@@ -14,8 +17,9 @@ Speed:
 - Buckets are launched strictly in index order on every rank, so collectives
   always match even if backward order differs between ranks.
 - The sample count rides as one extra element in the first bucket: no extra
-  collective. After the reduction each parameter's ``.grad`` *is* a view of its
-  bucket slot (no copy back).
+  collective. Scaling happens while copying into the bucket, so no pass over
+  the gradients is left after the reduction, and each parameter's ``.grad``
+  then *is* a view of its bucket slot (no copy back).
 
 Decisions:
 - A parameter that received no gradient on a rank contributes zeros from that
@@ -76,6 +80,7 @@ class AllReduceStrategy(Strategy):
         self._model: torch.nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._scale = 0.0
+        self._expected = 0.0
         self._armed = False
         self._next_launch = 0
 
@@ -125,7 +130,8 @@ class AllReduceStrategy(Strategy):
             bucket.ready, bucket.work = 0, None
             bucket.filled.clear()
         self._buckets[0].buffer[-1] = float(samples)
-        self._scale = float(samples)
+        self._scale = samples / global_samples
+        self._expected = float(global_samples)
         self._next_launch = 0
         self._armed = True
         try:
@@ -176,10 +182,14 @@ class AllReduceStrategy(Strategy):
         total = float(first.buffer[-1])
         if total <= 0:  # every rank had an empty batch: nothing to learn from
             raise ValueError("no rank processed any sample in this step")
+        # Ranks scaled by samples / global_samples; if their global_samples did
+        # not match the samples actually processed, correct to the true weights.
+        fix = self._expected / total if total != self._expected else None
         for bucket in self._buckets:
             if bucket is not first:
                 self._wait(bucket.work, "all_reduce")
-            bucket.buffer.div_(total)
+            if fix is not None:
+                bucket.buffer.mul_(fix)
             for p, offset in zip(bucket.params, bucket.offsets, strict=True):
                 p.grad = bucket.buffer[offset : offset + p.numel()].view_as(p)
 

@@ -1,0 +1,261 @@
+"""Training steps: gradhub ``allreduce`` and ``sharded`` beside DistributedDataParallel.
+
+Two processes on 127.0.0.1 (gloo, one intra-op thread each), MLPs of about
+1.9M and 20M parameters, 64 samples per rank per step (global batch 128),
+SGD. In every round each contender runs ``--steps`` steps on the same fixed
+batches, the order rotating round by round (A, B, C / B, C, A / ...):
+
+- ``DDP``: ``torch.nn.parallel.DistributedDataParallel`` (gloo, 25 MB buckets),
+  the peer;
+- ``gradhub allreduce``: :class:`gradhub.train.strategies.allreduce.AllReduceStrategy`
+  (25 MB buckets, overlapped with backward, sample-weighted);
+- ``gradhub sharded``: :class:`gradhub.train.strategies.sharded.ShardedStrategy`
+  (ring reduce-scatter, ZeRO-1 step on the owned slice, all-gather);
+- ``1 process, 2 threads``: the whole global batch in one process with two
+  intra-op threads, no communication: what the same two cores do alone.
+
+A step is timed on rank 0 from the start of forward to the end of the
+optimizer step (synchronous strategies keep the ranks in lockstep). Reports
+the median step time over all timed steps, the min-max spread of the
+per-round medians, samples/s (global batch / median) and the ratio of each
+median to DDP's (< 1: faster). Also checks that DDP and gradhub allreduce end
+with the same parameters (equal batch sizes: weighted mean == DDP's mean).
+Writes ``training.json`` and ``training.md`` to ``--out`` and prints the table.
+On a 2-core machine the two ranks fill both cores.
+
+    python benchmarks/training.py [--rounds 5] [--steps 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import itertools
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+import gradhub
+from gradhub.collective import free_loopback_port, local_group
+from gradhub.train.strategies import make_strategy
+
+WORLD_SIZE = 2
+PER_RANK = 64
+MODELS = {
+    "MLP 1.9M": [784, 1024, 1024, 10],
+    "MLP 20M": [784, 4096, 4096, 10],
+}
+PEER = "DDP"
+CONTENDERS = [PEER, "gradhub allreduce", "gradhub sharded"]
+BASELINE = "1 process, 2 threads"
+
+
+def make_mlp(widths: list[int]) -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(itertools.pairwise(widths)):
+        layers.append(nn.Linear(a, b))
+        if i < len(widths) - 2:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+def batch(rank: int, n: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + rank)
+    return torch.randn(n, width, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def contenders(
+    widths: list[int], x: torch.Tensor, y: torch.Tensor, runtime: gradhub.Runtime
+) -> tuple[dict[str, Callable[[], None]], dict[str, nn.Module], list[Any]]:
+    base = make_mlp(widths)
+    loss_fn = nn.functional.cross_entropy
+    steps: dict[str, Callable[[], None]] = {}
+    models: dict[str, nn.Module] = {}
+
+    ddp_model = copy.deepcopy(base)
+    ddp = nn.parallel.DistributedDataParallel(ddp_model)
+    ddp_opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+
+    def ddp_step() -> None:
+        ddp_opt.zero_grad(set_to_none=True)
+        loss_fn(ddp(x), y).backward()
+        ddp_opt.step()
+
+    steps[PEER], models[PEER] = ddp_step, ddp_model
+    strategies = []
+    for name in ("allreduce", "sharded"):
+        model = copy.deepcopy(base)
+        strategy = make_strategy(name)
+        strategy.setup(model, torch.optim.SGD(model.parameters(), lr=0.01), runtime)
+        strategies.append(strategy)
+
+        def step(model: nn.Module = model, strategy: Any = strategy) -> None:
+            strategy.step(lambda: loss_fn(model(x), y), len(x), len(x) * WORLD_SIZE)
+
+        steps[f"gradhub {name}"], models[f"gradhub {name}"] = step, model
+    return steps, models, strategies
+
+
+def rank_main(rank: int, port: int, rounds: int, steps: int, queue: Any) -> None:
+    torch.set_num_threads(1)
+    with local_group(rank, WORLD_SIZE, port, timeout=600):
+        runtime = gradhub.init(timeout=600)
+        report: dict[str, Any] = {}
+        for label, widths in MODELS.items():
+            x, y = batch(rank, PER_RANK, widths[0])
+            fns, models, strategies = contenders(widths, x, y, runtime)
+            for fn in fns.values():  # warm-up: allocations, gloo pairs
+                fn()
+                fn()
+            times: dict[str, list[list[float]]] = {name: [] for name in CONTENDERS}
+            for r in range(rounds):
+                order = CONTENDERS[r % len(CONTENDERS) :] + CONTENDERS[: r % len(CONTENDERS)]
+                for name in order:
+                    torch.distributed.barrier()
+                    per_step = []
+                    for _ in range(steps):
+                        t0 = time.perf_counter()
+                        fns[name]()
+                        per_step.append(time.perf_counter() - t0)
+                    times[name].append(per_step)
+            diff = max(
+                float((a.detach() - b.detach()).abs().max())
+                for a, b in zip(
+                    models[PEER].parameters(),
+                    models["gradhub allreduce"].parameters(),
+                    strict=True,
+                )
+            )
+            params = sum(p.numel() for p in models[PEER].parameters())
+            report[label] = {"params": params, "times": times, "ddp_vs_allreduce_max_diff": diff}
+            for s in strategies:
+                s.close()
+        runtime.close()
+        if rank == 0:
+            queue.put(report)
+
+
+def single_process(rounds: int, steps: int) -> dict[str, list[list[float]]]:
+    torch.set_num_threads(2)
+    out: dict[str, list[list[float]]] = {}
+    for label, widths in MODELS.items():
+        model = make_mlp(widths)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        xs, ys = zip(*(batch(r, PER_RANK, widths[0]) for r in range(WORLD_SIZE)), strict=True)
+        x, y = torch.cat(xs), torch.cat(ys)
+
+        def step(
+            model: nn.Module = model,
+            opt: torch.optim.Optimizer = opt,
+            x: torch.Tensor = x,
+            y: torch.Tensor = y,
+        ) -> None:
+            opt.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+
+        step()
+        step()
+        rounds_out = []
+        for _ in range(rounds):
+            per_step = []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                step()
+                per_step.append(time.perf_counter() - t0)
+            rounds_out.append(per_step)
+        out[label] = rounds_out
+    return out
+
+
+def summarise(report: dict[str, Any], single: dict[str, list[list[float]]]) -> list[dict[str, Any]]:
+    rows = []
+    for label, entry in report.items():
+        all_times = {**entry["times"], BASELINE: single[label]}
+        peer = statistics.median(t for rnd in all_times[PEER] for t in rnd)
+        for name, rounds in all_times.items():
+            flat = [t for rnd in rounds for t in rnd]
+            med = statistics.median(flat)
+            round_medians = [statistics.median(rnd) for rnd in rounds]
+            rows.append(
+                {
+                    "model": label,
+                    "params": entry["params"],
+                    "method": name,
+                    "median_step_ms": med * 1e3,
+                    "spread_ms": [min(round_medians) * 1e3, max(round_medians) * 1e3],
+                    "samples_per_s": PER_RANK * WORLD_SIZE / med,
+                    "ratio_to_ddp": med / peer,
+                    "ddp_vs_allreduce_max_diff": entry["ddp_vs_allreduce_max_diff"],
+                }
+            )
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| model | method | median step (ms) | round medians min-max (ms) | samples/s | vs DDP |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        lo, hi = r["spread_ms"]
+        lines.append(
+            f"| {r['model']} ({r['params'] / 1e6:.2f}M) | {r['method']} | "
+            f"{r['median_step_ms']:.1f} | {lo:.1f}-{hi:.1f} | {r['samples_per_s']:,.0f} | "
+            f"{r['ratio_to_ddp']:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per round")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = parser.parse_args()
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_loopback_port()
+    procs = [
+        ctx.Process(target=rank_main, args=(r, port, args.rounds, args.steps, queue))
+        for r in range(WORLD_SIZE)
+    ]
+    for p in procs:
+        p.start()
+    report = queue.get(timeout=3600)
+    for p in procs:
+        p.join(60)
+    single = single_process(args.rounds, args.steps)
+    rows = summarise(report, single)
+    table = markdown(rows)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "machine": platform.platform(),
+        "cpus": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "world_size": WORLD_SIZE,
+        "per_rank_batch": PER_RANK,
+        "rounds": args.rounds,
+        "steps_per_round": args.steps,
+        "note": "2 ranks on a 2-core machine fill both cores; 1 intra-op thread per rank",
+    }
+    (out / "training.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    diffs = {r["model"]: r["ddp_vs_allreduce_max_diff"] for r in rows}
+    note = ", ".join(f"{m}: {d:.1e}" for m, d in diffs.items())
+    text = f"{table}\n\nmax |DDP - gradhub allreduce| parameter difference at the end: {note}\n"
+    (out / "training.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
