@@ -188,29 +188,33 @@ ABSENT = 1
 TIMEOUT = 3.0
 
 
-def timeout_job(rank: int, world_size: int, port: int) -> tuple[str, list[int], str, float]:
+def timeout_job(
+    rank: int, world_size: int, port: int, size: int
+) -> tuple[str, list[int], str, float]:
     torch.set_num_threads(1)
     with local_group(rank, world_size, port, timeout=30) as group:
-        p = AllReduceParameter(100, group=group, timeout=TIMEOUT)
-        p.init(torch.zeros(100))
+        p = AllReduceParameter(size, group=group, timeout=TIMEOUT)
+        p.init(torch.zeros(size))
         if rank == ABSENT:
             # Alive but not taking part, until the others have given up.
-            time.sleep(TIMEOUT + 4)
+            time.sleep(TIMEOUT + 3)
             return ("absent", [], "", 0.0)
         begin = time.monotonic()
-        p.put_gradients(torch.ones(100))
+        p.put_gradients(torch.ones(size))
         with pytest.raises(CollectiveTimeoutError) as caught:
             p.aggregate_gradient_partition(1)
         elapsed = time.monotonic() - begin
         # The group is broken now; further use says so instead of hanging.
         with pytest.raises(StateError, match="broken"):
-            p.get_weights(torch.zeros(100)).wait()
+            p.get_weights(torch.zeros(size)).wait()
         err = caught.value
         return (str(err), list(err.missing_ranks), err.operation, elapsed)
 
 
-def test_a_rank_that_does_not_take_part_is_named_within_the_timeout() -> None:
-    results = run_ranks(timeout_job, 3, free_port(), timeout=60)
+# 100 elements go through gloo's collectives, 2M (8 MB > SMALL_BYTES) through the ring.
+@pytest.mark.parametrize("size", [100, 2_000_000])
+def test_a_rank_that_does_not_take_part_is_named_within_the_timeout(size: int) -> None:
+    results = run_ranks(timeout_job, 3, free_port(), size, timeout=60)
     assert not any(r.killed for r in results), "a process hung"
     for r in results:
         if r.rank == ABSENT:

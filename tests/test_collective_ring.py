@@ -7,6 +7,7 @@ number of process start-ups low.
 from __future__ import annotations
 
 import hashlib
+import itertools
 
 import pytest
 import torch
@@ -17,6 +18,9 @@ from gradhub.partition import partition_ranges
 from harness import free_port, run_ranks
 
 CODECS = ["none", "fp16", "bf16", "bf16-truncate"]
+# small_bytes per path: 0 forces the point-to-point ring at every size;
+# 1 << 40 forces the collective (all_to_all + all_gather) path.
+PATHS = {"ring": 0, "collective": 1 << 40}
 
 
 def sizes_for(world_size: int) -> list[int]:
@@ -51,7 +55,8 @@ def reference_in_ring_order(xs: list[torch.Tensor], world_size: int) -> torch.Te
 def error_bound(xs: list[torch.Tensor], codec: codecs.Codec, world_size: int) -> torch.Tensor:
     """Per-element bound on |ring result - exact sum| for a lossy codec.
 
-    The reduce-scatter encodes a partial sum at each of the P-1 hops and the
+    The ring's reduce-scatter encodes a partial sum at each of the P-1 hops (the
+    collective path encodes each contribution once, within the same bound) and the
     all-gather encodes the final sum once: P roundings, each at most
     relative_error times a partial sum, and every partial sum is at most
     sum(|x_i|). fp32 additions add P * 2**-24 * sum(|x_i|). fp16 divides by P
@@ -75,11 +80,12 @@ def ring_job(rank: int, world_size: int, port: int) -> dict[str, str]:
             reference = reference_in_ring_order(xs, world_size)
             exact = torch.stack([x.double() for x in xs]).sum(0)
             start, length = partition_ranges(size, world_size)[rank]
-            for name in CODECS:
+            for name, path in itertools.product(CODECS, PATHS):
                 codec = codecs.get(name)
-                mine = reduce_scatter(xs[rank], group=group, codec=codec)
+                small = PATHS[path]
+                mine = reduce_scatter(xs[rank], group=group, codec=codec, small_bytes=small)
                 assert mine.dtype == torch.float32 and mine.numel() == length
-                full = all_gather(mine, size, group=group, codec=codec)
+                full = all_gather(mine, size, group=group, codec=codec, small_bytes=small)
                 if name == "none":
                     assert torch.equal(mine, reference[start : start + length]), (size, name)
                     assert torch.equal(full, reference), (size, name)
@@ -88,7 +94,9 @@ def ring_job(rank: int, world_size: int, port: int) -> dict[str, str]:
                     err = (full.double() - exact).abs()
                     worst = float((err - bound).max()) if size else 0.0
                     assert worst <= 0, f"size {size} {name}: error exceeds bound by {worst}"
-                digests[f"{size}/{name}"] = hashlib.sha256(full.numpy().tobytes()).hexdigest()
+                digests[f"{size}/{name}/{path}"] = hashlib.sha256(
+                    full.numpy().tobytes()
+                ).hexdigest()
         # Inputs are not modified, and out= is filled in place.
         x = rank_values(10, rank)
         before = x.clone()
@@ -110,7 +118,7 @@ def test_reduce_scatter_all_gather_match_single_process_sum(world_size: int) -> 
     digests = [r.value for r in results]
     # Bit-identical on every rank, for every size and codec.
     assert all(d == digests[0] for d in digests)
-    assert len(digests[0]) == len(sizes_for(world_size)) * len(CODECS)
+    assert len(digests[0]) == len(sizes_for(world_size)) * len(CODECS) * len(PATHS)
 
 
 def nccl_job(rank: int, world_size: int, port: int) -> bool:

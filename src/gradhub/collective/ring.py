@@ -26,12 +26,20 @@ rank, which is why it is not used.
 - Summation order is fixed (:func:`.schedule.reduction_order`), so the result
   is bit-identical run to run and on every rank.
 
-NCCL: the native reduce-scatter and all-gather (``reduce_scatter_single`` and
-``all_gather_single``; ``*_tensor`` before torch 2.13), slices padded to equal
-length. With a lossy codec, NCCL would add in the
-wire type, so the reduce-scatter is an ``all_to_all_single`` of encoded
-slices followed by an fp32 sum in :func:`.schedule.reduction_order`: same
-bytes on the wire, arithmetic in fp32, one rounding only.
+Small vectors (at most :data:`SMALL_BYTES` on the wire) on gloo, and every
+lossy codec on NCCL, use collectives instead: the reduce-scatter is one
+``all_to_all_single`` of encoded slices (the same (P-1)/P of the bytes)
+followed by an fp32 sum in :func:`.schedule.reduction_order`, which for
+``"none"`` gives the ring's bits exactly and for lossy codecs rounds once
+instead of once per hop; the all-gather is ``all_gather_single`` of padded
+slices. gloo's point-to-point messages have a high fixed cost (see
+:data:`SMALL_BYTES`), its collectives do not.
+
+NCCL with ``"none"``: the native reduce-scatter (``reduce_scatter_single``;
+``reduce_scatter_tensor`` before torch 2.13), slices padded to equal length;
+its summation order is NCCL's (deterministic for a fixed topology), not the
+ring's. With a lossy codec NCCL would add in the wire type, hence the
+``all_to_all_single`` path above.
 
 Operations run on the group's worker thread in the order they are called
 (:meth:`CollectiveGroup.submit`), so several callers cannot interleave
@@ -61,6 +69,14 @@ DEFAULT_PIPELINE_ELEMENTS = 1 << 21
 vanish, small enough that adding overlaps the transfer; see
 ``benchmarks/collectives.py``. Every rank must use the same value."""
 
+SMALL_BYTES = 4 << 20
+"""Vectors of at most this many wire bytes use the backend's own collectives
+(``all_to_all_single`` + ``all_gather_single``) on gloo too: gloo's
+point-to-point messages cost ~3 ms each way back to back on the 2-core
+benchmark machine, where its collectives cost well under 1 ms; from about 4M
+fp32 elements on, the ring's halved bytes win. See ``benchmarks/collectives.py``.
+Every rank must use the same value."""
+
 Group = CollectiveGroup | dist.ProcessGroup | None
 
 # torch 2.13 renamed the tensor collectives (the old names warn); older torch
@@ -78,6 +94,7 @@ def reduce_scatter(
     out: torch.Tensor | None = None,
     timeout: float | None = None,
     pipeline_elements: int = DEFAULT_PIPELINE_ELEMENTS,
+    small_bytes: int = SMALL_BYTES,
 ) -> torch.Tensor:
     """Sum ``tensor`` over the ranks and return this rank's slice of the sum (fp32).
 
@@ -91,7 +108,13 @@ def reduce_scatter(
     return g.submit(
         "reduce_scatter",
         lambda: run_reduce_scatter(
-            g, flat, c, out=out, timeout=timeout, pipeline=pipeline_elements
+            g,
+            flat,
+            c,
+            out=out,
+            timeout=timeout,
+            pipeline=pipeline_elements,
+            small_bytes=small_bytes,
         ),
     ).wait()
 
@@ -105,6 +128,7 @@ def all_gather(
     out: torch.Tensor | None = None,
     timeout: float | None = None,
     pipeline_elements: int = DEFAULT_PIPELINE_ELEMENTS,
+    small_bytes: int = SMALL_BYTES,
 ) -> torch.Tensor:
     """Put every rank's ``partition`` of a flat vector of ``size`` together (fp32).
 
@@ -119,7 +143,14 @@ def all_gather(
     return g.submit(
         "all_gather",
         lambda: run_all_gather(
-            g, wire, size, c, out=out, timeout=timeout, pipeline=pipeline_elements
+            g,
+            wire,
+            size,
+            c,
+            out=out,
+            timeout=timeout,
+            pipeline=pipeline_elements,
+            small_bytes=small_bytes,
         ),
     ).wait()
 
@@ -133,6 +164,7 @@ def run_reduce_scatter(
     out: torch.Tensor | None = None,
     timeout: float | None = None,
     pipeline: int = DEFAULT_PIPELINE_ELEMENTS,
+    small_bytes: int = SMALL_BYTES,
     name: str = "reduce_scatter",
 ) -> torch.Tensor:
     """The reduce-scatter itself; call it on the group's worker thread.
@@ -147,17 +179,22 @@ def run_reduce_scatter(
     if group.world_size == 1:
         flat_out.copy_(flat[start : start + length])
         return out
-    if group.backend == "nccl":
-        flat_out.copy_(_nccl_reduce_scatter(group, op, flat, codec, ranges))
-        return out
-    prescale = codec.wire_dtype == torch.float16
-    x = flat
-    if prescale:
-        x = torch.div(
-            flat, group.world_size, out=group.scratch("prescale", flat.numel(), flat.dtype)
-        )
-    _ring_reduce_scatter(group, op, x, codec, ranges, pipeline, flat_out)
-    return out.mul_(group.world_size) if prescale else out
+    plain = isinstance(codec, codecs.NoCompression)
+    if group.backend == "nccl" and plain:
+        _native_reduce_scatter(group, op, flat, ranges, flat_out)
+    elif group.backend == "nccl" or flat.numel() * codec.bytes_per_element <= small_bytes:
+        _exchange_reduce_scatter(group, op, flat, codec, ranges, flat_out)
+    else:
+        prescale = codec.wire_dtype == torch.float16
+        x = flat
+        if prescale:
+            x = torch.div(
+                flat, group.world_size, out=group.scratch("prescale", flat.numel(), flat.dtype)
+            )
+        _ring_reduce_scatter(group, op, x, codec, ranges, pipeline, flat_out)
+        if prescale:
+            out.mul_(group.world_size)
+    return out
 
 
 def run_all_gather(
@@ -169,6 +206,7 @@ def run_all_gather(
     out: torch.Tensor | None = None,
     timeout: float | None = None,
     pipeline: int = DEFAULT_PIPELINE_ELEMENTS,
+    small_bytes: int = SMALL_BYTES,
     name: str = "all_gather",
 ) -> torch.Tensor:
     """The all-gather of this rank's encoded slice; call it on the worker thread.
@@ -186,8 +224,8 @@ def run_all_gather(
     if group.world_size == 1:
         out.view(-1)[start : start + length].copy_(codec.decode(own_wire))
         return out
-    if group.backend == "nccl":
-        _nccl_all_gather(group, op, own_wire, out, codec, ranges)
+    if group.backend == "nccl" or size * codec.bytes_per_element <= small_bytes:
+        _collective_all_gather(group, op, own_wire, out, codec, ranges)
         return out
     direct = codec.wire_dtype == torch.float32
     wire = out.view(-1) if direct else group.scratch("all_gather", size, codec.wire_dtype)
@@ -302,44 +340,64 @@ def _ring_all_gather(
     sender.finish()
 
 
-# ----------------------------------------------------------------------- NCCL
+# ---------------------------------------- collective-based (NCCL, small on gloo)
 def _padded(ranges: list[tuple[int, int]]) -> int:
     return max(n for _, n in ranges)
 
 
-def _nccl_reduce_scatter(
+def _native_reduce_scatter(
+    group: CollectiveGroup,
+    op: Operation,
+    x: torch.Tensor,
+    ranges: list[tuple[int, int]],
+    out: torch.Tensor,
+) -> None:
+    """NCCL's own fp32 reduce-scatter (slices padded to equal length)."""
+    P, r = group.world_size, group.rank
+    width = _padded(ranges)
+    send = x
+    if any(n != width for _, n in ranges):
+        send = group.scratch("rs_padded", P * width, torch.float32).zero_()
+        for c, (s, n) in enumerate(ranges):
+            send[c * width : c * width + n].copy_(x[s : s + n])
+    result = group.scratch("rs_result", width, torch.float32)
+    work = _reduce_scatter_native(result, send, group=group.process_group, async_op=True)
+    group.wait(op, work, None)
+    out.copy_(result[: ranges[r][1]])
+
+
+def _exchange_reduce_scatter(
     group: CollectiveGroup,
     op: Operation,
     x: torch.Tensor,
     codec: codecs.Codec,
     ranges: list[tuple[int, int]],
-) -> torch.Tensor:
+    out: torch.Tensor,
+) -> None:
+    """Reduce-scatter as one ``all_to_all_single`` of encoded slices (each rank
+    receives every rank's copy of its own slice: (P-1)/P of the bytes), then an
+    fp32 sum in :func:`.schedule.reduction_order`. For "none" that is the ring's
+    order, so the two paths give the same bits."""
     P, r = group.world_size, group.rank
-    width = _padded(ranges)
-    own_length = ranges[r][1]
-    even = all(n == width for _, n in ranges)
-    if isinstance(codec, codecs.NoCompression):
-        send = x if even else torch.zeros(P * width, dtype=torch.float32, device=x.device)
-        if not even:
-            for c, (s, n) in enumerate(ranges):
-                send[c * width : c * width + n].copy_(x[s : s + n])
-        out = torch.empty(width, dtype=torch.float32, device=x.device)
-        work = _reduce_scatter_native(out, send, group=group.process_group, async_op=True)
-        group.wait(op, work, None)
-        return out[:own_length]
-    send = torch.zeros(P * width, dtype=codec.wire_dtype, device=x.device)
-    for c, (s, n) in enumerate(ranges):
-        send[c * width : c * width + n].copy_(codec.encode(x[s : s + n]))
-    inbox = torch.empty_like(send)
-    work = dist.all_to_all_single(inbox, send, group=group.process_group, async_op=True)
+    length = ranges[r][1]
+    send = x if isinstance(codec, codecs.NoCompression) else codec.encode(x)
+    inbox = group.scratch("rs_inbox", P * length, codec.wire_dtype)
+    work = dist.all_to_all_single(
+        inbox,
+        send,
+        output_split_sizes=[length] * P,
+        input_split_sizes=[n for _, n in ranges],
+        group=group.process_group,
+        async_op=True,
+    )
     group.wait(op, work, None)
-    total = torch.zeros(own_length, dtype=torch.float32, device=x.device)
-    for j in reduction_order(r, P):
-        total.add_(codec.decode(inbox[j * width : j * width + own_length]))
-    return total
+    order = reduction_order(r, P)
+    out.copy_(codec.decode(inbox[order[0] * length : (order[0] + 1) * length]))
+    for j in order[1:]:
+        out.add_(codec.decode(inbox[j * length : (j + 1) * length]))
 
 
-def _nccl_all_gather(
+def _collective_all_gather(
     group: CollectiveGroup,
     op: Operation,
     own_wire: torch.Tensor,
@@ -347,11 +405,12 @@ def _nccl_all_gather(
     codec: codecs.Codec,
     ranges: list[tuple[int, int]],
 ) -> None:
+    """All-gather with the backend's own collective (slices padded to equal length)."""
     P = group.world_size
     width = _padded(ranges)
-    mine = torch.zeros(width, dtype=codec.wire_dtype, device=out.device)
+    mine = group.scratch("ag_mine", width, codec.wire_dtype)
     mine[: own_wire.numel()].copy_(own_wire)
-    gathered = torch.empty(P * width, dtype=codec.wire_dtype, device=out.device)
+    gathered = group.scratch("ag_gathered", P * width, codec.wire_dtype)
     work = _all_gather_native(gathered, mine, group=group.process_group, async_op=True)
     group.wait(op, work, None)
     flat = out.view(-1)
