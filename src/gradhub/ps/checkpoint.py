@@ -9,35 +9,18 @@ checkpoint holds tensors and plain containers only, never pickled code.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from gradhub._atomic import atomic_torch_save
+
 
 def save(state: dict[str, Any], path: str | os.PathLike[str]) -> None:
     """Write ``state`` to ``path`` atomically."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    dir_fd = os.open(target.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    atomic_torch_save(state, path)
 
 
 def load(path: str | os.PathLike[str]) -> dict[str, Any] | None:

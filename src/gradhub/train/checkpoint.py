@@ -11,36 +11,16 @@ the step before, which every rank has.
 
 from __future__ import annotations
 
-import os
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from gradhub._atomic import atomic_torch_save
+
 _NAME = re.compile(r"^step-(\d+)\.rank(\d+)\.pt$")
-
-
-def atomic_save(obj: Any, path: Path) -> None:
-    """``torch.save`` to ``path`` atomically (temp file, fsync, rename, fsync folder)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 @dataclass(kw_only=True)
@@ -75,7 +55,7 @@ class CheckpointDir:
 
     def save(self, step: int, state: dict[str, Any]) -> Path:
         target = self.file(step)
-        atomic_save({"step": step, **state}, target)
+        atomic_torch_save({"step": step, **state}, target)
         for old in self.steps()[: -self.keep]:
             self.file(old).unlink(missing_ok=True)
         return target

@@ -18,6 +18,7 @@ does not exist, fewer than one process, a bad server configuration.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -67,19 +68,7 @@ class LaunchConfig:
 
 
 def _server_config(template: ServerConfig, workers: int) -> ServerConfig:
-    return ServerConfig(
-        bind="tcp://127.0.0.1:*",
-        optimizer=template.optimizer,
-        lr=template.lr,
-        momentum=template.momentum,
-        mode=template.mode,
-        workers=workers,
-        max_staleness=template.max_staleness,
-        secret=template.secret,
-        checkpoint_dir=template.checkpoint_dir,
-        checkpoint_every=template.checkpoint_every,
-        heartbeat_timeout=template.heartbeat_timeout,
-    )
+    return dataclasses.replace(template, bind="tcp://127.0.0.1:*", workers=workers)
 
 
 def _publish(port: int, addresses: list[str], timeout: float) -> None:
