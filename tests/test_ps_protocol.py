@@ -190,3 +190,5 @@ def test_config_validation() -> None:
         ServerConfig(optimizer="lbfgs")
     with pytest.raises(ValueError, match="ssp"):
         ServerConfig(mode="sync", max_staleness=2)
+    with pytest.raises(ValueError, match="threads"):
+        ServerConfig(threads=0)

@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from gradhub.ps.config import MODES, OPTIMIZERS, ServerConfig, read_secret_file
-from gradhub.ps.server import Server
+from gradhub.ps.server import Server, configure_process
 
 
 def add_parser(sub: Any) -> None:
@@ -24,6 +24,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--checkpoint-dir", help="directory for checkpoints (resumed on start)")
     p.add_argument("--checkpoint-every", type=float, default=60.0, help="seconds between them")
     p.add_argument("--heartbeat-timeout", type=float, default=10.0, help="seconds of silence")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     p.set_defaults(handler=run)
 
 
@@ -41,7 +42,9 @@ def run(args: argparse.Namespace) -> int:
             checkpoint_dir=args.checkpoint_dir,
             checkpoint_every=args.checkpoint_every,
             heartbeat_timeout=args.heartbeat_timeout,
+            threads=args.threads,
         )
+        configure_process(config)
         server = Server(config)
     except (ValueError, OSError) as exc:
         print(f"gradhub serve: {exc}", file=sys.stderr)

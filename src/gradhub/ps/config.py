@@ -95,6 +95,15 @@ class ServerConfig:
     name: str | None = None
     """Name of the checkpoint file (default: derived from ``bind``)."""
 
+    threads: int = 1
+    """torch intra-op threads of a server process (``gradhub serve``, or
+    ``start_server`` without ``in_thread``; a thread server keeps its caller's
+    setting). One by default: an update is a memory-bound pass, and OpenMP
+    workers that spin after each parallel update take the cores that the
+    ZeroMQ I/O threads and the workers on the same machine need (with torch's
+    default, 1 MB pushes in ``benchmarks/parameter_server.py`` on 2 cores had a
+    p50 between 0.5 and 8 ms from run to run)."""
+
     def __post_init__(self) -> None:
         self.secret = secret_bytes(self.secret)
         if not re.fullmatch(r"(tcp|ipc|inproc)://.+", self.bind):
@@ -125,6 +134,8 @@ class ServerConfig:
             raise ValueError(f"checkpoint_every must be positive, got {self.checkpoint_every}")
         if not self.heartbeat_timeout > 0:
             raise ValueError(f"heartbeat_timeout must be positive, got {self.heartbeat_timeout}")
+        if self.threads < 1:
+            raise ValueError(f"threads must be at least 1, got {self.threads}")
         if self.max_payload < 1:
             raise ValueError(f"max_payload must be positive, got {self.max_payload}")
 

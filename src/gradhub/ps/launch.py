@@ -19,7 +19,7 @@ from typing import Any
 
 from gradhub.errors import GradhubError
 from gradhub.ps.config import ServerConfig
-from gradhub.ps.server import Server
+from gradhub.ps.server import Server, configure_process
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +29,7 @@ def _child(config: ServerConfig, conn: Any, log_level: int) -> None:
         level=log_level, format="%(asctime)s %(levelname)s %(name)s [server]: %(message)s"
     )
     try:
+        configure_process(config)
         server = Server(config)
     except BaseException as exc:
         conn.send(("error", f"{type(exc).__name__}: {exc}"))

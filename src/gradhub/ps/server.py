@@ -466,8 +466,14 @@ class Server:
         self.counters["replied"] += 1
 
 
+def configure_process(config: ServerConfig) -> None:
+    """Settings of a process that runs one server: torch's intra-op threads."""
+    torch.set_num_threads(config.threads)
+
+
 def run_server(config: ServerConfig, on_ready: Callable[[str], None] | None = None) -> None:
     """Bind, call ``on_ready(address)``, and serve until stopped (the body of ``gradhub serve``)."""
+    configure_process(config)
     server = Server(config)
     try:
         if on_ready is not None:
