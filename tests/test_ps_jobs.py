@@ -8,6 +8,8 @@ value is exact in fp32 (all magnitudes stay far below 2**24): the checks use
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -154,3 +156,21 @@ def test_server_killed_and_restarted_from_checkpoint_loses_no_acknowledged_push(
     expected = -sum(r.value for r in results)
     assert out.tolist() == [expected, expected]
     assert stats["counters"]["push_applied"] > 0 and stats["incarnation"]
+
+
+# ---------------------------------------------------------------- start-up failure
+def test_server_child_that_dies_before_ready_is_a_clear_error(tmp_path: Path) -> None:
+    # Without a main-module guard the spawned child re-runs the script and dies
+    # before reporting; the parent must say so instead of raising a bare EOFError.
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "from gradhub import ServerConfig, start_server\n"
+        "start_server(ServerConfig(optimizer='sgd', lr=1.0), start_timeout=60).close()\n"
+    )
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode != 0
+    assert "GradhubError" in result.stderr
+    assert "exited before it was ready" in result.stderr
+    assert "EOFError" not in result.stderr.splitlines()[-1]

@@ -120,6 +120,13 @@ def start_server(
                 f"parameter server for {config.bind} did not start in {start_timeout:g}s"
             )
         status, detail = parent.recv()
+    except EOFError:
+        process.join(5)
+        raise GradhubError(
+            f"parameter server for {config.bind} exited before it was ready "
+            f"(exit code {process.exitcode}); if start_server is called from a script, "
+            "guard the call with `if __name__ == '__main__':`"
+        ) from None
     except BaseException:
         process.kill()
         process.join(5)
