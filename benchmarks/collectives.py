@@ -46,6 +46,7 @@ SIZES = [1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22, 1 << 24, 25_000_000]
 BASELINE = "gloo all_reduce"
 METHODS = [
     "gradhub RS+AG fp32",
+    "gradhub RS+AG fp32 in place",
     "gradhub RS+AG bf16",
     BASELINE,
     "gloo RS+AG",
@@ -73,6 +74,13 @@ def make_methods(rank: int, n: int) -> dict[str, Callable[[torch.Tensor], None]]
 
         return run
 
+    def ours_in_place(x: torch.Tensor) -> None:
+        # like all_reduce: the result lands in x itself; the own slice is
+        # reduced where it lies, so no partition is copied twice
+        mine = x[start : start + length]
+        reduce_scatter(x, out=mine)
+        all_gather(mine, n, out=x)
+
     def gloo_all_reduce(x: torch.Tensor) -> None:
         dist.all_reduce(x)
 
@@ -92,6 +100,7 @@ def make_methods(rank: int, n: int) -> dict[str, Callable[[torch.Tensor], None]]
 
     return {
         "gradhub RS+AG fp32": ours("none"),
+        "gradhub RS+AG fp32 in place": ours_in_place,
         "gradhub RS+AG bf16": ours("bf16"),
         BASELINE: gloo_all_reduce,
         "gloo RS+AG": gloo_rs_ag,

@@ -94,6 +94,13 @@ def ring_job(rank: int, world_size: int, port: int) -> dict[str, str]:
                     err = (full.double() - exact).abs()
                     worst = float((err - bound).max()) if size else 0.0
                     assert worst <= 0, f"size {size} {name}: error exceeds bound by {worst}"
+                # In place: out= is this rank's own slice of the input, then the
+                # gather writes over the input; the same bits as out of place.
+                x = xs[rank].clone()
+                own = x[start : start + length]
+                reduce_scatter(x, group=group, codec=codec, out=own, small_bytes=small)
+                all_gather(own, size, group=group, codec=codec, out=x, small_bytes=small)
+                assert torch.equal(x, full), (size, name, path)
                 digests[f"{size}/{name}/{path}"] = hashlib.sha256(
                     full.numpy().tobytes()
                 ).hexdigest()

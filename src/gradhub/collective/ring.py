@@ -101,6 +101,8 @@ def reduce_scatter(
     ``tensor`` is read as a flat vector and must have the same number of
     elements on every rank; it is not modified. ``out`` (contiguous fp32 of
     this rank's slice length) is filled when given, else a new tensor is returned.
+    ``out`` may be this rank's own slice of ``tensor``: followed by
+    ``all_gather(out, tensor.numel(), out=tensor)`` that is an in-place all-reduce.
     """
     g = CollectiveGroup.of(group)
     c = codecs.get(codec)
