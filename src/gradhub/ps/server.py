@@ -38,7 +38,6 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -469,16 +468,3 @@ class Server:
 def configure_process(config: ServerConfig) -> None:
     """Settings of a process that runs one server: torch's intra-op threads."""
     torch.set_num_threads(config.threads)
-
-
-def run_server(config: ServerConfig, on_ready: Callable[[str], None] | None = None) -> None:
-    """Bind, call ``on_ready(address)``, and serve until stopped (the body of ``gradhub serve``)."""
-    configure_process(config)
-    server = Server(config)
-    try:
-        if on_ready is not None:
-            on_ready(server.address)
-    except BaseException:
-        server.close()
-        raise
-    server.serve()
