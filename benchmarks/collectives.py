@@ -26,19 +26,18 @@ to ``--out`` and prints the table.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from gradhub.collective import all_gather, free_loopback_port, local_group, reduce_scatter
+from _common import RESULTS, rank_zero_result, write_results
+from gradhub.collective import all_gather, local_group, reduce_scatter
 from gradhub.partition import partition_range
 
 WORLD_SIZE = 2
@@ -180,25 +179,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="*", default=SIZES)
     parser.add_argument("--rounds", type=int, default=9, help="alternation rounds per size")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
 
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_loopback_port()
-    procs = [
-        ctx.Process(target=rank_main, args=(r, port, args.sizes, args.rounds, queue))
-        for r in range(WORLD_SIZE)
-    ]
-    for p in procs:
-        p.start()
-    raw = queue.get(timeout=3600)
-    for p in procs:
-        p.join(60)
+    raw = rank_zero_result(rank_main, WORLD_SIZE, args.sizes, args.rounds)
     rows = summarise(raw)
     table = markdown(rows)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     report = {
         "benchmark": "collectives",
         "world_size": WORLD_SIZE,
@@ -208,8 +194,7 @@ def main() -> None:
         "rounds": args.rounds,
         "rows": rows,
     }
-    (out / "collectives.json").write_text(json.dumps(report, indent=2))
-    (out / "collectives.md").write_text(table + "\n")
+    write_results(args.out, "collectives", report, table + "\n")
     print(table)
 
 

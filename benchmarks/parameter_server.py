@@ -18,7 +18,6 @@ only if it can be imported (``pip install gradhub[bench]``).
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import platform
@@ -27,10 +26,11 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
+
+from _common import RESULTS, write_results
 
 SIZES = {"4 B": 4, "4 KB": 4 << 10, "1 MB": 1 << 20, "16 MB": 16 << 20, "100 MB": 100 << 20}
 LR = 1e-9
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a quarter of the iterations")
     parser.add_argument("--rounds", type=int, default=3, help="alternation rounds")
     parser.add_argument("--sizes", nargs="*", default=list(SIZES), choices=list(SIZES))
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
 
@@ -246,12 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         "note": "one client and one server process on this machine; synchronous ops",
     }
     md = _markdown(rows, meta)
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "parameter_server.json").write_text(
-        json.dumps({"meta": meta, "rows": rows}, indent=1)
-    )
-    (out_dir / "parameter_server.md").write_text(md)
+    write_results(args.out, "parameter_server", {"meta": meta, "rows": rows}, md)
     print(md)
     return 0
 

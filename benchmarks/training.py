@@ -31,20 +31,18 @@ from __future__ import annotations
 import argparse
 import copy
 import itertools
-import json
 import platform
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
 import gradhub
-from gradhub.collective import free_loopback_port, local_group
+from _common import RESULTS, rank_zero_result, write_results
+from gradhub.collective import local_group
 from gradhub.train.strategies import make_strategy
 
 WORLD_SIZE = 2
@@ -220,25 +218,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=4, help="timed steps per round")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_loopback_port()
-    procs = [
-        ctx.Process(target=rank_main, args=(r, port, args.rounds, args.steps, queue))
-        for r in range(WORLD_SIZE)
-    ]
-    for p in procs:
-        p.start()
-    report = queue.get(timeout=3600)
-    for p in procs:
-        p.join(60)
+    report = rank_zero_result(rank_main, WORLD_SIZE, args.rounds, args.steps)
     single = single_process(args.rounds, args.steps)
     rows = summarise(report, single)
     table = markdown(rows)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     meta = {
         "machine": platform.platform(),
         "cpus": torch.get_num_threads(),
@@ -249,11 +234,10 @@ def main() -> None:
         "steps_per_round": args.steps,
         "note": "2 ranks on a 2-core machine fill both cores; 1 intra-op thread per rank",
     }
-    (out / "training.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     diffs = {r["model"]: r["ddp_vs_allreduce_max_diff"] for r in rows}
     note = ", ".join(f"{m}: {d:.1e}" for m, d in diffs.items())
     text = f"{table}\n\nmax |DDP - gradhub allreduce| parameter difference at the end: {note}\n"
-    (out / "training.md").write_text(text)
+    write_results(args.out, "training", {"meta": meta, "rows": rows}, text)
     print(text)
 
 
