@@ -19,12 +19,14 @@ import torch
 from sklearn.datasets import load_digits
 
 import gradhub
+from gradhub.ps.config import read_secret_file
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--strategy", default="allreduce", help="allreduce, sharded, ps-async, ...")
     p.add_argument("--servers", nargs="*", help="parameter-server addresses (ps-* strategies)")
+    p.add_argument("--secret-file", help="the parameter servers' shared secret (ps-* strategies)")
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=64, help="global batch size")
     p.add_argument("--lr", type=float, default=0.05)
@@ -45,7 +47,9 @@ def main() -> None:
     torch.manual_seed(0)  # rank 0's initial weights are broadcast anyway
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    options = {"servers": args.servers} if args.servers else {}
+    options: dict[str, object] = {"servers": args.servers} if args.servers else {}
+    if args.secret_file:
+        options["secret"] = read_secret_file(args.secret_file)
     with gradhub.DataParallelTrainer(
         model, optimizer, strategy=args.strategy, runtime=runtime, **options
     ) as trainer:

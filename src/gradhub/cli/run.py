@@ -1,4 +1,4 @@
-"""``gradhub run -n N [--servers S] script.py [args]``: a local training job.
+"""``gradhub run -n N [--servers S] [--nnodes M ...] script.py [args]``: a training job.
 
 A thin front over :func:`gradhub.train.launch.launch`, which hands the
 worker processes to ``torch.distributed.run``. The script calls
@@ -21,7 +21,7 @@ def add_parser(sub: Any) -> None:
         description="Run SCRIPT on N local worker processes through torch.distributed.run. "
         "With --servers, start parameter servers first; the ps-* strategies find them.",
     )
-    p.add_argument("-n", "--nproc", type=int, required=True, help="worker processes")
+    p.add_argument("-n", "--nproc", type=int, required=True, help="worker processes (on this node)")
     p.add_argument("--servers", type=int, default=0, help="parameter servers to start first")
     p.add_argument("--ps-mode", choices=MODES, default="async", help="servers' consistency mode")
     p.add_argument("--ps-optimizer", choices=OPTIMIZERS, default="sgd", help="servers' optimizer")
@@ -30,6 +30,24 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-staleness", type=int, default=0, help="ssp bound in steps")
     p.add_argument("--ps-secret-file", help="shared secret for the servers (HMAC)")
     p.add_argument("--master-port", type=int, help="port of the job's store (default: free)")
+    nodes = p.add_argument_group(
+        "across nodes",
+        "torchrun's multi-node options; run the same command on every node. This node's "
+        "address, whether it hosts the rendezvous store and GLOO_SOCKET_IFNAME are worked "
+        "out from --rdzv-endpoint.",
+    )
+    nodes.add_argument("--nnodes", type=int, default=1, help="nodes in the job")
+    nodes.add_argument(
+        "--node-rank", type=int, default=0, help="this node's rank; node 0 starts the servers"
+    )
+    nodes.add_argument(
+        "--rdzv-backend", choices=("c10d", "static"), default="c10d", help="rendezvous backend"
+    )
+    nodes.add_argument("--rdzv-endpoint", help="HOST[:PORT] of the rendezvous (default port 29400)")
+    nodes.add_argument("--rdzv-id", default="none", help="job id, the same on every node")
+    nodes.add_argument(
+        "--local-addr", help="this node's address for the other nodes (default: worked out)"
+    )
     p.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name")
     p.add_argument("script", help="the training script (or module with -m)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -45,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
             lr=args.ps_lr,
             momentum=args.ps_momentum,
             mode=args.ps_mode,
-            workers=max(1, args.nproc),
+            workers=max(1, args.nproc * max(1, args.nnodes)),
             max_staleness=args.max_staleness,
             secret=read_secret_file(args.ps_secret_file) if args.ps_secret_file else None,
         )
@@ -56,8 +74,14 @@ def run(args: argparse.Namespace) -> int:
             servers=args.servers,
             server=server,
             master_port=args.master_port,
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            rdzv_backend=args.rdzv_backend,
+            rdzv_endpoint=args.rdzv_endpoint,
+            rdzv_id=args.rdzv_id,
+            local_addr=args.local_addr,
         )
+        return launch(config)
     except (ValueError, OSError) as exc:
         print(f"gradhub run: {exc}", file=sys.stderr)
         return 2
-    return launch(config)

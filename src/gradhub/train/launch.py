@@ -14,6 +14,22 @@ of our own. The servers stop when the job ends.
 
 Errors are raised before anything starts where they can be: a script that
 does not exist, fewer than one process, a bad server configuration.
+
+Across nodes (``nnodes > 1``), every node runs the same command with
+torchrun's multi-node options (``nnodes``, ``node_rank``, ``rdzv_backend``,
+``rdzv_endpoint``, ``rdzv_id``). :func:`gradhub.train.nodes.locate` works
+out what torchrun would otherwise need spelled out: this node's address
+(``--local-addr``), whether it hosts the rendezvous store
+(``--rdzv-conf is_host=1|0``) and ``GLOO_SOCKET_IFNAME`` (set only if the
+user has not). With ``servers > 0``, node rank 0 starts the servers, bound
+to its own address (so a shared secret is required), and publishes their
+addresses in the workers' store; the other nodes start none. Under the
+``c10d`` backend that store is the one torchrun's agent on the rendezvous's
+rank-0 node creates after the rendezvous (not necessarily node rank 0); its
+address is read from the rendezvous store, where torchrun puts it under
+``torch.rendezvous.<run id>.<round>/MASTER_ADDR`` and ``.../MASTER_PORT``
+(round 0: jobs launched here do not restart). Under ``static`` the store is
+the endpoint itself.
 """
 
 from __future__ import annotations
@@ -21,7 +37,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import threading
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -30,6 +48,7 @@ import torch.distributed as dist
 
 from gradhub.collective.group import free_loopback_port
 from gradhub.ps.config import ServerConfig
+from gradhub.train.nodes import NodePlace, locate
 from gradhub.train.strategies.ps import ADDRESSES_KEY
 
 log = logging.getLogger(__name__)
@@ -51,11 +70,44 @@ class LaunchConfig:
     """Template of every server's configuration (mode, optimizer, lr, ...);
     ``bind`` and ``workers`` are set per job."""
     master_port: int | None = None
-    """Port of the job's c10d store on 127.0.0.1 (default: a free one)."""
+    """Port of the job's c10d store on 127.0.0.1 (default: a free one); one node only."""
+    nnodes: int = 1
+    """Nodes (machines) in the job; each runs ``nproc`` workers."""
+    node_rank: int = 0
+    """This node's rank in ``[0, nnodes)``: node 0 starts the parameter servers
+    (and, under the ``static`` backend, hosts the store)."""
+    rdzv_backend: str = "c10d"
+    """torchrun's rendezvous backend across nodes: ``"c10d"`` or ``"static"``."""
+    rdzv_endpoint: str | None = None
+    """``HOST[:PORT]`` of the rendezvous (required with ``nnodes > 1``); the node
+    whose address it is hosts the store."""
+    rdzv_id: str = "none"
+    """Job id shared by the nodes of one job (c10d)."""
+    local_addr: str | None = None
+    """This node's address as other nodes reach it (default: worked out from the endpoint)."""
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
             raise ValueError(f"-n/--nproc must be >= 1, got {self.nproc}")
+        if self.nnodes < 1:
+            raise ValueError(f"--nnodes must be >= 1, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.rdzv_backend not in ("c10d", "static"):
+            raise ValueError(
+                f"--rdzv-backend must be 'c10d' or 'static', got {self.rdzv_backend!r}"
+            )
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError(
+                "--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)"
+            )
+        if self.nnodes > 1 and self.master_port is not None:
+            raise ValueError("--master-port is for one node; across nodes give --rdzv-endpoint")
+        if self.nnodes > 1 and self.servers and self.server.secret is None:
+            raise ValueError(
+                "parameter servers of a multi-node job listen on this node's network address; "
+                "give them a shared secret (--ps-secret-file), and the workers the same one"
+            )
         if self.servers < 0:
             raise ValueError(f"--servers must be >= 0, got {self.servers}")
         if not self.target:
@@ -82,16 +134,72 @@ def _publish(port: int, addresses: list[str], timeout: float) -> None:
         log.error("could not publish parameter-server addresses on port %d: %s", port, exc)
 
 
-def torchrun_args(config: LaunchConfig, port: int) -> list[str]:
-    """The ``torch.distributed.run`` command line for ``config``."""
-    args = [
-        "--nnodes=1",
-        f"--nproc-per-node={config.nproc}",
-        "--master-addr=127.0.0.1",
-        f"--master-port={port}",
-        "--max-restarts=0",
-        "--monitor-interval=0.5",
-    ]
+def _read_store_address(place: NodePlace, config: LaunchConfig, timeout: float) -> tuple[str, int]:
+    """Where the workers' store is: the endpoint (static) or what torchrun put in the rendezvous."""
+    if config.rdzv_backend == "static":
+        return place.endpoint_addr, place.endpoint_port
+    rdzv = dist.TCPStore(
+        place.endpoint_addr,
+        place.endpoint_port,
+        is_master=False,
+        timeout=timedelta(seconds=timeout),
+    )
+    prefix = f"torch.rendezvous.{config.rdzv_id}.0"
+    keys = [f"{prefix}/MASTER_ADDR", f"{prefix}/MASTER_PORT"]
+    rdzv.wait(keys, timedelta(seconds=timeout))
+    return rdzv.get(keys[0]).decode(), int(rdzv.get(keys[1]).decode())
+
+
+def _publish_across_nodes(
+    place: NodePlace, config: LaunchConfig, addresses: list[str], timeout: float
+) -> None:
+    """Node 0: put the server addresses into the workers' store once the rendezvous is done."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            host, port = _read_store_address(place, config, timeout)
+            break
+        except (RuntimeError, dist.DistError) as exc:  # the store host is not up yet
+            if time.monotonic() >= deadline:
+                log.error(
+                    "could not find the job's store through the rendezvous at %s:%d: %s",
+                    place.endpoint_addr,
+                    place.endpoint_port,
+                    exc,
+                )
+                return
+            time.sleep(0.5)
+    try:
+        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
+        store.set(ADDRESSES_KEY, json.dumps(addresses))
+    except (RuntimeError, dist.DistError) as exc:
+        log.error("could not publish parameter-server addresses at %s:%d: %s", host, port, exc)
+
+
+def torchrun_args(config: LaunchConfig, port: int, place: NodePlace | None = None) -> list[str]:
+    """The ``torch.distributed.run`` command line for ``config`` (``place``: across nodes)."""
+    if place is None:
+        args = [
+            "--nnodes=1",
+            f"--nproc-per-node={config.nproc}",
+            "--master-addr=127.0.0.1",
+            f"--master-port={port}",
+        ]
+    else:
+        args = [
+            f"--nnodes={config.nnodes}",
+            f"--nproc-per-node={config.nproc}",
+            f"--node-rank={config.node_rank}",
+            f"--rdzv-backend={config.rdzv_backend}",
+            f"--rdzv-endpoint={place.endpoint_addr}:{place.endpoint_port}",
+            f"--rdzv-id={config.rdzv_id}",
+            f"--local-addr={config.local_addr or place.local_addr}",
+        ]
+        if config.rdzv_backend == "c10d":
+            args.append(f"--rdzv-conf=is_host={int(place.is_host)}")
+        else:
+            args += [f"--master-addr={place.endpoint_addr}", f"--master-port={place.endpoint_port}"]
+    args += ["--max-restarts=0", "--monitor-interval=0.5"]
     if config.module:
         args.append("--module")
     return args + list(config.target)
@@ -104,18 +212,46 @@ def launch(config: LaunchConfig) -> int:
 
     from gradhub.ps.launch import start_server
 
+    place = None
+    if config.nnodes > 1:
+        assert config.rdzv_endpoint is not None  # checked by LaunchConfig
+        place = locate(config.rdzv_endpoint, node_rank=config.node_rank)
+        if place.ifname is not None and "GLOO_SOCKET_IFNAME" not in os.environ:
+            os.environ["GLOO_SOCKET_IFNAME"] = place.ifname  # the workers inherit it
+        log.info(
+            "node %d of %d: address %s (%s), %s the rendezvous store at %s:%d",
+            config.node_rank,
+            config.nnodes,
+            config.local_addr or place.local_addr,
+            place.ifname,
+            "hosting" if place.is_host else "joining",
+            place.endpoint_addr,
+            place.endpoint_port,
+        )
     port = config.master_port or free_loopback_port()
+    servers = config.servers if config.node_rank == 0 else 0
+    workers = config.nproc * config.nnodes
     handles = []
     try:
-        for _ in range(config.servers):
-            handles.append(start_server(_server_config(config.server, config.nproc)))
+        for _ in range(servers):
+            server = _server_config(config.server, workers)
+            if place is not None:
+                server = dataclasses.replace(
+                    server, bind=f"tcp://{config.local_addr or place.local_addr}:*"
+                )
+            handles.append(start_server(server))
         if handles:
             addresses = [h.address for h in handles]
             log.info("parameter servers (%s) at %s", config.server.mode, ", ".join(addresses))
-            threading.Thread(
-                target=_publish, args=(port, addresses, 60.0), name="gradhub-publish", daemon=True
-            ).start()
-        args = get_args_parser().parse_args(torchrun_args(config, port))
+            if place is None:
+                publisher = threading.Thread(target=_publish, args=(port, addresses, 60.0))
+            else:
+                publisher = threading.Thread(
+                    target=_publish_across_nodes, args=(place, config, addresses, 300.0)
+                )
+            publisher.name, publisher.daemon = "gradhub-publish", True
+            publisher.start()
+        args = get_args_parser().parse_args(torchrun_args(config, port, place))
         try:
             run(args)
         except ChildFailedError as exc:
