@@ -1,0 +1,133 @@
+"""PowerSGD bucket reducer: error feedback, exact parts, same bits on every rank."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+import gradhub
+from gradhub.powersgd import PowerSGD, orthonormalize_
+from harness import run_ranks
+
+
+def _relative_error_of_mean(
+    ps: PowerSGD, g: torch.Tensor, shapes: list[torch.Size], steps: int
+) -> list[float]:
+    """Reduce the same gradient ``steps`` times; relative error of the running mean after each."""
+    acc = torch.zeros_like(g)
+    out = []
+    for t in range(steps):
+        b = g.clone()
+        ps.reduce(b, shapes=shapes, bucket_index=0, step=t)
+        acc += b
+        out.append(float((acc / (t + 1) - g).norm() / g.norm()))
+    return out
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    rows=st.integers(3, 12),
+    cols=st.integers(3, 12),
+    rank=st.integers(1, 2),
+    seed=st.integers(0, 2**16),
+)
+def test_error_feedback_makes_the_accumulated_update_converge(
+    rows: int, cols: int, rank: int, seed: int
+) -> None:
+    assume((rows + cols) * rank < rows * cols)  # a matrix PowerSGD compresses
+    shapes = [torch.Size([rows, cols]), torch.Size([cols])]
+    g = torch.randn(rows * cols + cols + 1, generator=torch.Generator().manual_seed(seed))
+    with_ef = _relative_error_of_mean(PowerSGD(rank=rank, min_compression_rate=1), g, shapes, 400)
+    # With error feedback, sum of the updates = T * g - E_T and E_T stays
+    # bounded, so the running mean's error falls like 1/T: 10x more steps,
+    # several times smaller (the bound's constant depends on the spectrum).
+    assert with_ef[-1] < with_ef[39] / 4
+    assert with_ef[-1] < 0.1
+    without = _relative_error_of_mean(
+        PowerSGD(rank=rank, min_compression_rate=1, error_feedback=False), g, shapes, 400
+    )
+    # Without it the mean is stuck at a rank-r approximation of g (the 1-D
+    # tensor is exact either way, so the error is that of the matrix alone).
+    if rank < min(rows, cols):
+        assert without[-1] > 2 * with_ef[-1]
+
+
+def test_small_tensors_trailing_elements_and_early_steps_are_exact() -> None:
+    shapes = [torch.Size([16, 12]), torch.Size([12]), torch.Size([2, 2])]
+    g = torch.randn(16 * 12 + 12 + 4 + 1)
+    ps = PowerSGD(rank=1, start_step=2)
+    for step in range(4):
+        b = g.clone()
+        ps.reduce(b, shapes=shapes, bucket_index=3, step=step)
+        if step < 2:
+            assert torch.equal(b, g)  # full-precision steps: a world of one changes nothing
+        else:
+            assert not torch.equal(b[: 16 * 12], g[: 16 * 12])  # compressed
+            # the 1-D tensor, the 2x2 one (not worth compressing) and the trailing count
+            assert torch.equal(b[16 * 12 :], g[16 * 12 :])
+    with pytest.raises(ValueError, match="changed its layout"):
+        ps.reduce(g.clone(), shapes=shapes[:1], bucket_index=3, step=5)
+
+
+def test_bad_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="rank must be an integer >= 1"):
+        PowerSGD(rank=0)
+    with pytest.raises(ValueError, match="start_step must be >= 0"):
+        PowerSGD(start_step=-1)
+    with pytest.raises(ValueError, match="more than the bucket"):
+        PowerSGD().reduce(torch.zeros(3), shapes=[torch.Size([2, 2])], bucket_index=0, step=0)
+
+
+def test_orthonormalize_keeps_zero_columns_zero() -> None:
+    p = torch.tensor([[3.0, 0.0, 1.0], [4.0, 0.0, 1.0]])
+    orthonormalize_(p)
+    assert torch.equal(p[:, 1], torch.zeros(2))
+    assert math.isclose(float(p[:, 0].norm()), 1.0, rel_tol=1e-6)
+    assert abs(float(p[:, 0] @ p[:, 2])) < 1e-6
+
+
+SHAPES = [torch.Size([24, 16]), torch.Size([16]), torch.Size([8, 24])]
+SIZE = sum(s.numel() for s in SHAPES) + 1  # + a trailing sample count
+
+
+def _gradient(rank: int, step: int) -> torch.Tensor:
+    return torch.randn(SIZE, generator=torch.Generator().manual_seed(100 * rank + step))
+
+
+def _ranks_reduce(rank: int, world_size: int) -> list[np.ndarray]:
+    runtime = gradhub.init(timeout=30)
+    ps = PowerSGD(rank=2, start_step=1)
+    out = []
+    for step in range(5):
+        b = _gradient(rank, step)
+        ps.reduce(b, shapes=SHAPES, bucket_index=0, step=step)
+        out.append(b.numpy().copy())  # tensors do not outlive their process in a queue
+    runtime.close()
+    return out
+
+
+def test_every_rank_ends_with_the_same_bits() -> None:
+    results = [
+        [torch.from_numpy(a) for a in r.value] for r in run_ranks(_ranks_reduce, 2, timeout=90)
+    ]
+    for step in range(5):
+        assert torch.equal(results[0][step], results[1][step]), f"step {step}"
+    total = [_gradient(0, s) + _gradient(1, s) for s in range(5)]
+    # Step 0 is full precision: the sum of two fp32 numbers, exact.
+    assert torch.equal(results[0][0], total[0])
+    # Step 1 is the first compressed one; no error is carried yet, so the
+    # result is PowerSGD of the summed gradient (P and Q are sums of the
+    # ranks' products: float reordering only).
+    alone = total[1].clone()
+    PowerSGD(rank=2).reduce(alone, shapes=SHAPES, bucket_index=0, step=0)
+    torch.testing.assert_close(results[0][1], alone, rtol=1e-5, atol=1e-5)
+    # 1-D tensor and the trailing count are reduced exactly on every step.
+    start = 24 * 16
+    for step in range(5):
+        assert torch.equal(results[0][step][start : start + 16], total[step][start : start + 16])
+        assert torch.equal(results[0][step][-1:], total[step][-1:])
