@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradhub.errors import AuthenticationError, ProtocolError
+from gradhub.errors import AuthenticationError, OversizedError, ProtocolError, UnknownOpError
 from gradhub.ps import protocol
 from gradhub.ps.config import ServerConfig, is_loopback
 from gradhub.ps.consistency import Consistency
@@ -46,12 +46,12 @@ def test_round_trip_every_dtype(dtype: torch.dtype) -> None:
 def test_zero_copy_both_ways() -> None:
     t = torch.arange(1000, dtype=torch.float32)
     frames = protocol.encode(Header(op=Op.PUSH), "k", t)
-    sent = frames[2]
+    sent = frames[3]
     assert isinstance(sent, memoryview)  # a view of the tensor's memory, not a copy
     t[0] = 42.0
     assert struct.unpack_from("<f", sent)[0] == 42.0
     buf = bytearray(bytes(sent))
-    msg = protocol.decode([frames[0], frames[1], buf])
+    msg = protocol.decode([frames[0], frames[1], frames[2], buf])
     received = msg.tensor()
     buf[0:4] = struct.pack("<f", 7.0)
     assert received[0].item() == 7.0  # the tensor is the frame's memory
@@ -73,23 +73,23 @@ def test_signature_checks() -> None:
     with pytest.raises(AuthenticationError):
         protocol.decode(good)  # signed, but no secret here
     tampered = list(good)
-    tampered[2] = b"\x00" * len(good[2])
+    tampered[3] = b"\x00" * len(good[3])
     with pytest.raises(AuthenticationError):
         protocol.decode(tampered, secret=SECRET)
 
 
 def test_limits_and_malformed() -> None:
     big = _frames(torch.zeros(100))
-    with pytest.raises(protocol.OversizedError):
+    with pytest.raises(OversizedError):
         protocol.decode(big, max_payload=10)
     with pytest.raises(ProtocolError, match="frames"):
         protocol.decode(big[:2])
     bad_op = bytearray(big[0])
     bad_op[3] = 99
-    with pytest.raises(protocol.UnknownOpError):
+    with pytest.raises(UnknownOpError):
         protocol.decode([bytes(bad_op), *big[1:]])
     with pytest.raises(ProtocolError, match="header says"):
-        protocol.decode([big[0], big[1], big[2][:-4]])
+        protocol.decode([big[0], big[1], big[2], big[3][:-4]])
     with pytest.raises(ValueError, match="limit"):
         protocol.encode(Header(op=Op.PULL), "k" * 2000)
 

@@ -104,9 +104,8 @@ def test_live_server_survives_10000_random_frames(signed_server: ServerHandle) -
                 frames = [rng.randbytes(rng.randrange(0, 300)) for _ in range(rng.randrange(1, 6))]
             else:  # a valid signed message with a byte flipped
                 frames = [bytearray(f) for f in valid]
-                f = frames[rng.randrange(len(frames))]
-                if f:
-                    f[rng.randrange(len(f))] ^= 1 + rng.randrange(255)
+                f = rng.choice([f for f in frames if f])  # the meta frame is empty
+                f[rng.randrange(len(f))] ^= 1 + rng.randrange(255)
             sock.send_multipart(frames)
     finally:
         sock.close(linger=10_000)  # deliver every frame before closing
@@ -126,16 +125,17 @@ def test_duplicate_sends_applied_once(signed_server: ServerHandle) -> None:
     with _client(signed_server, 6) as ps:
         ps.init("dup", torch.zeros(2))
         before = ps.stats()[0]["counters"]["push_duplicate"]
-        send = ps._send
+        channel = ps._channel
+        send = channel._send
 
         def send_three_times(s, req):  # type: ignore[no-untyped-def]
             for _ in range(3):
                 send(s, req)
 
-        ps._send = send_three_times  # type: ignore[method-assign]
+        channel._send = send_three_times  # type: ignore[method-assign]
         for _ in range(5):
             ps.push("dup", torch.ones(2)).result(10)
-        ps._send = send  # type: ignore[method-assign]
+        channel._send = send  # type: ignore[method-assign]
         out = torch.zeros(2)
         ps.pull("dup", out).result(10)
         assert torch.equal(out, torch.full((2,), -5.0))  # SGD(lr=1): 5 pushes of 1

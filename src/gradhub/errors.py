@@ -31,6 +31,13 @@ class ShapeMismatchError(GradhubError, ValueError):
         super().__init__(f"{what} mismatch at {path}: expected {expected}, received {received}")
 
 
+class DtypeMismatchError(ShapeMismatchError):
+    """A tensor's dtype differs from the stored parameter's (its message says dtype)."""
+
+    def __init__(self, path: str, expected: object, received: object):
+        super().__init__(path, expected, received, "dtype")
+
+
 class NonFiniteError(GradhubError, ValueError):
     """A gradient holds NaN or infinity and the policy is to refuse it."""
 
@@ -59,7 +66,25 @@ class ProtocolError(GradhubError, ValueError):
 
 
 class AuthenticationError(ProtocolError):
-    """A frame whose HMAC does not match the shared secret."""
+    """A frame whose HMAC does not match the shared secret, or a server that
+    refused this client's secret (wrong, missing, or given to a server without one)."""
+
+
+class OversizedError(ProtocolError):
+    """A message larger than the endpoint's limit."""
+
+
+class UnknownOpError(ProtocolError):
+    """A well-formed header naming an op, status, codec or dtype this version does not know."""
+
+
+class OptimizerMismatchError(GradhubError, ValueError):
+    """An ``init`` brought an optimizer other than the one the server is fixed to;
+    the message names both (class and hyperparameters)."""
+
+
+class BindError(GradhubError, OSError):
+    """A server could not bind its address (in use, not an address of this host)."""
 
 
 class GradhubTimeoutError(GradhubError, TimeoutError):
@@ -88,14 +113,27 @@ class CollectiveTimeoutError(GradhubTimeoutError):
 class ServerTimeoutError(GradhubTimeoutError):
     """A parameter server did not answer in time; names the server and the key."""
 
-    def __init__(self, server: str, key: str | None, operation: str, timeout: float):
+    def __init__(
+        self, server: str, key: str | None, operation: str, timeout: float, detail: str = ""
+    ):
         self.server = server
         self.key = key
         self.operation = operation
         self.timeout = timeout
         on_key = f" for key {key!r}" if key is not None else ""
+        msg = f"parameter server {server} did not answer {operation}{on_key} within {timeout:g}s"
+        super().__init__(msg + (f" ({detail})" if detail else ""))
+
+
+class ServerUnavailableError(GradhubTimeoutError):
+    """Nothing answered at a parameter server's address within the connect timeout."""
+
+    def __init__(self, address: str, timeout: float):
+        self.address = address
+        self.timeout = timeout
         super().__init__(
-            f"parameter server {server} did not answer {operation}{on_key} within {timeout:g}s"
+            f"no parameter server answered at {address} within {timeout:g}s\n"
+            f"- help: is `gradhub serve --bind {address}` running, and is the address right?"
         )
 
 

@@ -11,7 +11,12 @@ import argparse
 import sys
 from typing import Any
 
-from gradhub.ps.config import MODES, OPTIMIZERS, ServerConfig, read_secret_file
+from gradhub.cli._flags import add_config_flags, config_kwargs
+from gradhub.ps.config import ServerConfig
+
+# Servers' settings as --ps-* flags, generated from ServerConfig; the job sets
+# bind and workers itself.
+_PS_SKIP = ("bind", "workers", "name")
 
 
 def add_parser(sub: Any) -> None:
@@ -23,12 +28,14 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("-n", "--nproc", type=int, required=True, help="worker processes (on this node)")
     p.add_argument("--servers", type=int, default=0, help="parameter servers to start first")
-    p.add_argument("--ps-mode", choices=MODES, default="async", help="servers' consistency mode")
-    p.add_argument("--ps-optimizer", choices=OPTIMIZERS, default="sgd", help="servers' optimizer")
-    p.add_argument("--ps-lr", type=float, default=0.01, help="servers' learning rate")
-    p.add_argument("--ps-momentum", type=float, default=0.0, help="servers' SGD momentum")
-    p.add_argument("--max-staleness", type=int, default=0, help="ssp bound in steps")
-    p.add_argument("--ps-secret-file", help="shared secret for the servers (HMAC)")
+    ps = p.add_argument_group("parameter servers (with --servers)")
+    add_config_flags(
+        ps,
+        ServerConfig,
+        prefix="ps-",
+        skip=_PS_SKIP,
+        aliases={"max_staleness": "--max-staleness"},
+    )
     p.add_argument("--master-port", type=int, help="port of the job's store (default: free)")
     nodes = p.add_argument_group(
         "across nodes",
@@ -59,13 +66,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         server = ServerConfig(
-            optimizer=args.ps_optimizer,
-            lr=args.ps_lr,
-            momentum=args.ps_momentum,
-            mode=args.ps_mode,
             workers=max(1, args.nproc * max(1, args.nnodes)),
-            max_staleness=args.max_staleness,
-            secret=read_secret_file(args.ps_secret_file) if args.ps_secret_file else None,
+            **config_kwargs(args, ServerConfig, prefix="ps-", skip=_PS_SKIP),
         )
         config = LaunchConfig(
             nproc=args.nproc,

@@ -29,7 +29,7 @@ from types import TracebackType
 import numpy as np
 import torch
 
-from gradhub.errors import ShapeMismatchError
+from gradhub.errors import DtypeMismatchError, ShapeMismatchError
 from gradhub.trees import ROOT
 
 Replicas = torch.Tensor | np.ndarray | Sequence[torch.Tensor | np.ndarray]
@@ -54,7 +54,7 @@ def as_replicas(values: Replicas, *, what: str = "values") -> list[torch.Tensor]
         if v.shape != first.shape:
             raise ShapeMismatchError(f"{what}[{i}]", list(first.shape), list(v.shape))
         if v.dtype != first.dtype:
-            raise ShapeMismatchError(f"{what}[{i}]", first.dtype, v.dtype, "dtype")
+            raise DtypeMismatchError(f"{what}[{i}]", first.dtype, v.dtype)
     return out
 
 
@@ -64,7 +64,7 @@ def check_like(key: str, stored: torch.Tensor, given: torch.Tensor) -> None:
     if given.shape != stored.shape:
         raise ShapeMismatchError(path, list(stored.shape), list(given.shape))
     if given.dtype != stored.dtype:
-        raise ShapeMismatchError(path, stored.dtype, given.dtype, "dtype")
+        raise DtypeMismatchError(path, stored.dtype, given.dtype)
 
 
 class ParameterServer(abc.ABC):

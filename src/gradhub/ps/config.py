@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from gradhub.ps.consistency import MODES
@@ -56,7 +56,7 @@ class ServerConfig:
     """ZeroMQ endpoint to bind (``*`` as the port picks a free one). Anything
     but loopback (or ``ipc://``) needs ``secret``."""
 
-    optimizer: str = "sgd"
+    optimizer: str = field(default="sgd", metadata={"choices": OPTIMIZERS})
     """``"sgd"`` or ``"adam"``: a ``torch.optim`` optimizer per key, on the
     server; ``"descent"`` or ``"ascent"``: the ``DistributedGradientsCoordinator``
     engine (value -/+= lr * gradient)."""
@@ -67,7 +67,7 @@ class ServerConfig:
     momentum: float = 0.0
     """SGD momentum (ignored by the other optimizers)."""
 
-    mode: str = "async"
+    mode: str = field(default="async", metadata={"choices": MODES})
     """``"async"``, ``"sync"`` or ``"ssp"`` (see :mod:`gradhub.ps.consistency`)."""
 
     workers: int = 1
@@ -77,8 +77,11 @@ class ServerConfig:
     max_staleness: int = 0
     """ssp only: how many steps a worker may run ahead of the slowest live one."""
 
-    secret: bytes | None = None
-    """Shared secret for HMAC-SHA256 signatures of every message (str is encoded)."""
+    secret: bytes | None = field(
+        default=None, metadata={"flag": "secret-file", "parse": read_secret_file, "metavar": "FILE"}
+    )
+    """Shared secret for HMAC-SHA256 signatures of every message (str is encoded;
+    on the command line: a file holding it, surrounding whitespace stripped)."""
 
     checkpoint_dir: str | None = None
     """Directory for checkpoints; the server resumes from its file there."""

@@ -17,7 +17,7 @@ import threading
 from types import TracebackType
 from typing import Any
 
-from gradhub.errors import GradhubError
+from gradhub.errors import GradhubError, GradhubTimeoutError
 from gradhub.ps.config import ServerConfig
 from gradhub.ps.server import Server, configure_process
 
@@ -116,7 +116,7 @@ def start_server(
     child.close()
     try:
         if not parent.poll(start_timeout):
-            raise GradhubError(
+            raise GradhubTimeoutError(
                 f"parameter server for {config.bind} did not start in {start_timeout:g}s"
             )
         status, detail = parent.recv()

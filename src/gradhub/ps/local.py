@@ -6,13 +6,11 @@ interface's semantics.
 
 Decisions:
 
-- **Ordering rule.** Per key, operations run in the order they were submitted,
-  from every client (which keeps each client's order, as the interface asks).
-  Priority chooses *between keys*: the worker next serves the key whose queue
-  holds the highest priority, and an urgent operation lifts the operations
-  queued before it on its key (priority inheritance), so it is never stuck
-  behind a key that is not served. Among keys of equal priority, the one
-  whose oldest operation was submitted first runs first.
+- **Ordering rule.** One lane per key in :class:`~gradhub.ps.lanes.PriorityLanes`:
+  per key, operations run in the order they were submitted, from every client
+  (which keeps each client's order, as the interface asks). Priority chooses
+  *between keys*, and an urgent operation lifts the operations queued before
+  it on its key (priority inheritance). Equal priorities: first in, first out.
 - **Errors at call time.** Unknown key, shape or dtype mismatch, a second
   ``init``, bad arguments and use after ``close()`` raise in the caller's
   thread; nothing is queued. A failure while an operation runs (e.g. inside
@@ -30,10 +28,8 @@ Decisions:
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -43,6 +39,7 @@ import torch
 
 from gradhub.errors import ClosedError, GradhubTimeoutError, UnknownParameterError
 from gradhub.ps.base import ParameterServer, Replicas, as_replicas, check_like
+from gradhub.ps.lanes import PriorityLanes
 from gradhub.ps.store import OptimizerFactory, ParameterStore
 
 logger = logging.getLogger(__name__)
@@ -50,8 +47,6 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _Op:
-    seq: int
-    priority: int
     run: Callable[[], None]
     future: Future[None] = field(default_factory=Future)
 
@@ -68,11 +63,10 @@ class LocalParameterServer(ParameterServer):
         self._store = ParameterStore(optimizer)
         self._store_lock = threading.Lock()  # held while an op or init touches the store
         self._cond = threading.Condition()  # guards the queues and _known below
-        self._queues: dict[str, deque[_Op]] = {}
+        self._queue: PriorityLanes[str, _Op] = PriorityLanes()
         # The stored tensors by key, for call-time checks without waiting for a
         # running op (a stored tensor's shape, dtype and device never change).
         self._known: dict[str, torch.Tensor] = {}
-        self._seq = itertools.count()
         self._closed = False
         self._thread = threading.Thread(target=self._serve, name="gradhub-local-ps", daemon=True)
         self._thread.start()
@@ -131,7 +125,7 @@ class LocalParameterServer(ParameterServer):
     def pending(self) -> int:
         """Operations queued and not yet started."""
         with self._cond:
-            return sum(len(q) for q in self._queues.values())
+            return len(self._queue)
 
     def state_dict(self) -> dict[str, Any]:
         """Values and optimizer state of every key (operations running now finish first)."""
@@ -172,31 +166,19 @@ class LocalParameterServer(ParameterServer):
             raise TypeError(f"priority must be an int, got {priority!r}")
         with self._cond:
             self._check_open()  # close() may have won the race since the first check
-            op = _Op(next(self._seq), priority, run)
-            self._queues.setdefault(key, deque()).append(op)
+            op = _Op(run)
+            self._queue.push(key, op, priority)
             self._cond.notify()
         return op.future
-
-    def _next_key(self) -> str:
-        """The key to serve next (caller holds ``_cond``; some queue is non-empty)."""
-        best_key, best = "", (0, 0)
-        for key, queue in self._queues.items():
-            rank = (-max(op.priority for op in queue), queue[0].seq)
-            if not best_key or rank < best:
-                best_key, best = key, rank
-        return best_key
 
     def _serve(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: bool(self._queues) or self._closed)
-                if not self._queues:
+                self._cond.wait_for(lambda: bool(self._queue) or self._closed)
+                taken = self._queue.pop()
+                if taken is None:
                     return  # closed and drained
-                key = self._next_key()
-                queue = self._queues[key]
-                op = queue.popleft()
-                if not queue:
-                    del self._queues[key]
+                key, op = taken
             if not op.future.set_running_or_notify_cancel():
                 continue
             try:

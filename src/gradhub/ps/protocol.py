@@ -1,8 +1,12 @@
 """The parameter-server wire format: one fixed header, the key, raw tensor bytes.
 
-A message is three ZeroMQ frames, plus a fourth when a shared secret is set::
+A message is four ZeroMQ frames, plus a fifth when a shared secret is set::
 
-    [header (HEADER_SIZE bytes)] [key (UTF-8)] [payload (raw tensor bytes)] [HMAC-SHA256]
+    [header (HEADER_SIZE bytes)] [key (UTF-8)] [meta (JSON or empty)]
+    [payload (raw tensor bytes)] [HMAC-SHA256]
+
+``meta`` is small JSON for what the fixed header cannot hold: the optimizer
+spec of an ``init``, the hyperparameters of a ``push``; empty for most messages.
 
 The header is a little-endian ``struct`` (see ``_HEADER``): magic ``b"GH"``,
 protocol version, op, flags, status, dtype code, codec code, ndim, key length,
@@ -12,7 +16,7 @@ dimensions. Tensor bytes travel as their own frame: :func:`encode` hands
 ZeroMQ a view of the tensor's memory and :func:`Message.tensor` wraps a
 received frame with ``torch.frombuffer``, so neither side copies them.
 
-The HMAC covers header, key and payload frames; it is checked with
+The HMAC covers header, key, meta and payload frames; it is checked with
 ``hmac.compare_digest``. :func:`decode` checks everything that can be checked
 (magic, version, op, sizes, dtype, shape against payload length, UTF-8 key,
 signature) and raises only :class:`~gradhub.errors.ProtocolError` (or its
@@ -23,6 +27,9 @@ Decisions:
   secret configured on one side only is a mistake worth surfacing.
 - Replies use the request's op with ``FLAG_REPLY`` set and a :class:`Status`;
   an error reply carries its message as UTF-8 in the payload.
+- A server refuses a hello it cannot authenticate with a fixed, *unsigned*
+  reply of status ``REFUSED`` (it has no shared key with that peer);
+  :func:`refusal_request_id` lets a client recognise one.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import hmac
+import json
 import math
 import struct
 from collections.abc import Sequence
@@ -38,26 +46,19 @@ from typing import Any
 
 import torch
 
-from gradhub.errors import AuthenticationError, ProtocolError
+from gradhub.errors import AuthenticationError, OversizedError, ProtocolError, UnknownOpError
 
 MAGIC = b"GH"
-VERSION = 1
+VERSION = 2
 MAX_NDIM = 8
 MAX_KEY_BYTES = 1024
+MAX_META_BYTES = 64 << 10
 DEFAULT_MAX_PAYLOAD = 1 << 31  # 2 GiB
 MAC_SIZE = 32
 
 FLAG_REPLY = 1
 FLAG_MAC = 2
 _KNOWN_FLAGS = FLAG_REPLY | FLAG_MAC
-
-
-class OversizedError(ProtocolError):
-    """A message larger than the endpoint's limit."""
-
-
-class UnknownOpError(ProtocolError):
-    """A well-formed header naming an op, status, codec or dtype this version does not know."""
 
 
 _HEADER = struct.Struct("<2sBBHHBBBxHIiQQQQQQ" + "Q" * MAX_NDIM)
@@ -72,6 +73,8 @@ class Op(enum.IntEnum):
     PULL = 5
     STATS = 6
     SHUTDOWN = 7
+    FLUSH = 8  # make everything acknowledged to this worker durable
+    BYE = 9  # the server is going away (sent by the server, unrequested)
 
 
 class Status(enum.IntEnum):
@@ -83,6 +86,11 @@ class Status(enum.IntEnum):
     STALE_INCARNATION = 5  # the server restarted: say hello again, then resend
     SHUTTING_DOWN = 6
     INTERNAL = 7
+    DTYPE_MISMATCH = 8
+    OPTIMIZER_MISMATCH = 9
+    NON_FINITE = 10
+    REFUSED = 11  # authentication failed (an unsigned, fixed reply)
+    TIMEOUT = 12  # a wait on the server (round, key not initialised yet) ran out
 
 
 _DTYPES: dict[int, torch.dtype] = {
@@ -144,6 +152,7 @@ class Message:
     header: Header
     key: str
     payload: Any = field(default=b"")  # a buffer: bytes, memoryview or zmq.Frame
+    meta: bytes = b""  # JSON text or empty
     routing: list[Any] = field(default_factory=list)  # ROUTER identity frames, if any
 
     def tensor(self) -> torch.Tensor:
@@ -158,6 +167,18 @@ class Message:
         if buf.readonly:  # e.g. bytes; ZeroMQ frames are writable and never copied
             buf = memoryview(bytearray(buf))
         return torch.frombuffer(buf, dtype=h.dtype).view(h.shape)
+
+    def meta_json(self) -> dict[str, Any]:
+        """The meta frame as a JSON object (``{}`` when empty)."""
+        if not self.meta:
+            return {}
+        try:
+            data = json.loads(self.meta)
+        except ValueError as exc:
+            raise ProtocolError(f"meta of {self.key!r} is not JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise ProtocolError(f"meta of {self.key!r} is not a JSON object")
+        return data
 
     def text(self) -> str:
         """The payload as UTF-8 text (error replies)."""
@@ -191,9 +212,10 @@ def encode(
     key: str = "",
     payload: torch.Tensor | bytes | memoryview | None = None,
     *,
+    meta: bytes = b"",
     secret: bytes | None = None,
 ) -> list[Any]:
-    """The frames of one message (header, key, payload[, mac]); fills in
+    """The frames of one message (header, key, meta, payload[, mac]); fills in
     ``header``'s dtype, shape and payload length from a tensor payload."""
     key_bytes = key.encode("utf-8")
     if len(key_bytes) > MAX_KEY_BYTES:
@@ -234,7 +256,7 @@ def encode(
         header.payload_len,
         *shape,
     )
-    frames: list[Any] = [head, key_bytes, data]
+    frames: list[Any] = [head, key_bytes, meta, data]
     if secret:
         frames.append(_mac(secret, frames))
     return frames
@@ -256,8 +278,8 @@ def decode(
 
 
 def _decode(frames: Sequence[Any], secret: bytes | None, max_payload: int) -> Message:
-    if len(frames) not in (3, 4):
-        raise ProtocolError(f"expected 3 or 4 frames, got {len(frames)}")
+    if len(frames) not in (4, 5):
+        raise ProtocolError(f"expected 4 or 5 frames, got {len(frames)}")
     views = [memoryview(f).cast("B") for f in frames]
     head = views[0]
     if head.nbytes != HEADER_SIZE:
@@ -273,17 +295,19 @@ def _decode(frames: Sequence[Any], secret: bytes | None, max_payload: int) -> Me
     if flags & ~_KNOWN_FLAGS:
         raise ProtocolError(f"unknown flags {flags:#x}")
     signed = bool(flags & FLAG_MAC)
-    if len(frames) != (4 if signed else 3):
+    if len(frames) != (5 if signed else 4):
         raise ProtocolError(f"{len(frames)} frames do not match the signature flag")
-    if views[2].nbytes > max_payload:
+    if views[3].nbytes > max_payload:
         raise OversizedError(
-            f"payload of {views[2].nbytes} bytes exceeds the limit of {max_payload}"
+            f"payload of {views[3].nbytes} bytes exceeds the limit of {max_payload}"
         )
+    if views[2].nbytes > MAX_META_BYTES:
+        raise OversizedError(f"meta of {views[2].nbytes} bytes exceeds {MAX_META_BYTES}")
     if secret:
         if not signed:
             raise AuthenticationError("unsigned message; this endpoint requires a shared secret")
-        expected = _mac(secret, views[:3])
-        if not hmac.compare_digest(expected, views[3].tobytes()):
+        expected = _mac(secret, views[:4])
+        if not hmac.compare_digest(expected, views[4].tobytes()):
             raise AuthenticationError("message signature does not match the shared secret")
     elif signed:
         raise AuthenticationError("signed message, but this endpoint has no shared secret")
@@ -298,8 +322,8 @@ def _decode(frames: Sequence[Any], secret: bytes | None, max_payload: int) -> Me
         raise ProtocolError(f"key frame is {views[1].nbytes} bytes, header says {key_len}")
     if payload_len > max_payload:
         raise OversizedError(f"payload of {payload_len} bytes exceeds the limit of {max_payload}")
-    if views[2].nbytes != payload_len:
-        raise ProtocolError(f"payload frame is {views[2].nbytes} bytes, header says {payload_len}")
+    if views[3].nbytes != payload_len:
+        raise ProtocolError(f"payload frame is {views[3].nbytes} bytes, header says {payload_len}")
     if ndim > MAX_NDIM:
         raise ProtocolError(f"ndim {ndim} exceeds {MAX_NDIM}")
     shape = tuple(dims[:ndim])
@@ -336,7 +360,23 @@ def _decode(frames: Sequence[Any], secret: bytes | None, max_payload: int) -> Me
         shape=shape,
         payload_len=payload_len,
     )
-    return Message(header, key, frames[2])
+    return Message(header, key, frames[3], views[2].tobytes())
+
+
+def refusal_request_id(frames: Sequence[Any]) -> int | None:
+    """The request id of a server's unsigned ``REFUSED`` reply to a hello, else ``None``.
+
+    Read without a signature check: the server that refuses shares no key with
+    this client. A client trusts it only as an answer to its own pending hello.
+    """
+    try:
+        msg = _decode(frames, None, 0)
+    except ProtocolError:
+        return None
+    h = msg.header
+    if h.is_reply and h.op == Op.HELLO and h.status == Status.REFUSED:
+        return h.request_id
+    return None
 
 
 def reply(

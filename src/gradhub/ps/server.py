@@ -7,10 +7,10 @@ workers and writes checkpoints. Being single-threaded, it needs no locks and
 its checkpoints are consistent by construction.
 
 Decisions:
-- Queue order: higher priority first, equal priority first in first out; but
-  operations of one connection on one key never overtake each other (a queued
-  operation runs after the earlier ones of its lane, which inherit its
-  priority), so a pull sees its client's earlier pushes.
+- Queue order: :class:`~gradhub.ps.lanes.PriorityLanes` with one lane per
+  connection and key: higher priority first, equal priority first in first
+  out, and operations of one connection on one key never overtake each other,
+  so a pull sees its client's earlier pushes.
 - Exactly once: see :mod:`gradhub.ps.dedupe`. Every push reply carries, in
   ``aux``, the worker's *durable* low watermark: the sequence numbers up to it
   are in the last checkpoint (or, without checkpoints, applied). A client
@@ -30,14 +30,11 @@ Decisions:
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import json
 import logging
 import secrets
 import threading
 import time
-from collections import deque
 from typing import Any
 
 import torch
@@ -47,16 +44,17 @@ from gradhub import codecs
 from gradhub.coordinator import DistributedGradientsCoordinator
 from gradhub.errors import (
     AuthenticationError,
-    DuplicateParameterError,
+    BindError,
+    OversizedError,
     ProtocolError,
-    ShapeMismatchError,
-    UnknownParameterError,
+    UnknownOpError,
 )
-from gradhub.ps import checkpoint, protocol
+from gradhub.ps import checkpoint, protocol, status
 from gradhub.ps.base import check_like
 from gradhub.ps.config import ServerConfig
 from gradhub.ps.consistency import Consistency
 from gradhub.ps.dedupe import Ledger
+from gradhub.ps.lanes import PriorityLanes
 from gradhub.ps.protocol import Message, Op, Status
 from gradhub.ps.store import OptimizerFactory, ParameterStore
 
@@ -142,10 +140,7 @@ class Server:
         )
         self._durable: dict[int, tuple[int, int]] = {}
         self._snapshots: dict[str, torch.Tensor] = {}
-        self._heap: list[tuple[int, int, tuple[bytes, str]]] = []
-        self._lanes: dict[tuple[bytes, str], deque[tuple[int, Message]]] = {}
-        self._done: set[int] = set()
-        self._counter = itertools.count()
+        self._queue: PriorityLanes[tuple[bytes, str], Message] = PriorityLanes()
         self._parked: dict[str, list[Message]] = {}
         self._dirty = False
         self._stop = threading.Event()
@@ -164,7 +159,7 @@ class Server:
         except zmq.ZMQError as exc:
             self._sock.close(0)
             self._ctx.term()
-            raise OSError(f"cannot bind parameter server to {config.bind}: {exc}") from exc
+            raise BindError(f"cannot bind parameter server to {config.bind}: {exc}") from exc
         self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         log.info(
             "parameter server on %s: mode=%s optimizer=%s lr=%g workers=%d%s",
@@ -288,10 +283,7 @@ class Server:
                 self.counters["stale_incarnation"] += 1
                 self._reply(msg, Status.STALE_INCARNATION, b"server restarted; say hello again")
                 return
-            lane = (routing, msg.key)
-            count = next(self._counter)
-            self._lanes.setdefault(lane, deque()).append((count, msg))
-            heapq.heappush(self._heap, (-h.priority, count, lane))
+            self._queue.push((routing, msg.key), msg, h.priority)
         elif h.op == Op.HELLO:
             self._reply(msg, aux=self.ledger.low(h.worker_id, h.session))
         elif h.op == Op.HEARTBEAT:
@@ -306,9 +298,9 @@ class Server:
     def _count_drop(self, exc: ProtocolError) -> None:
         if isinstance(exc, AuthenticationError):
             kind = "dropped_unauthenticated"
-        elif isinstance(exc, protocol.OversizedError):
+        elif isinstance(exc, OversizedError):
             kind = "dropped_oversized"
-        elif isinstance(exc, protocol.UnknownOpError):
+        elif isinstance(exc, UnknownOpError):
             kind = "dropped_unknown_op"
         else:
             kind = "dropped_malformed"
@@ -327,21 +319,8 @@ class Server:
 
     # ------------------------------------------------------------------ queue
     def _run_queue(self) -> None:
-        while self._heap:
-            _, count, lane = heapq.heappop(self._heap)
-            if count in self._done:
-                self._done.discard(count)
-                continue
-            queue = self._lanes[lane]
-            while queue:
-                first, msg = queue.popleft()
-                if first != count:
-                    self._done.add(first)
-                self._execute(msg)
-                if first == count:
-                    break
-            if not queue:
-                del self._lanes[lane]
+        while (taken := self._queue.pop()) is not None:
+            self._execute(taken[1])
 
     def _execute(self, msg: Message) -> None:
         op = msg.header.op
@@ -352,21 +331,15 @@ class Server:
                 self._push(msg)
             else:
                 self._pull(msg)
-        except UnknownParameterError as exc:
-            self._error(msg, Status.UNKNOWN_KEY, exc)
-        except DuplicateParameterError as exc:
-            self._error(msg, Status.DUPLICATE_KEY, exc)
-        except ShapeMismatchError as exc:
-            self._error(msg, Status.SHAPE_MISMATCH, exc)
-        except (ValueError, TypeError, ProtocolError) as exc:
-            self._error(msg, Status.BAD_REQUEST, exc)
         except Exception as exc:
-            log.exception("%s of key %r failed", op.name, msg.key)
-            self._error(msg, Status.INTERNAL, exc)
+            code = status.status_of(exc)
+            if code == Status.INTERNAL:
+                log.exception("%s of key %r failed", op.name, msg.key)
+            self._error(msg, code, exc)
 
-    def _error(self, msg: Message, status: Status, exc: BaseException) -> None:
+    def _error(self, msg: Message, code: Status, exc: BaseException) -> None:
         self.counters["errors"] += 1
-        self._reply(msg, status, str(exc).encode("utf-8", errors="replace"))
+        self._reply(msg, code, str(exc).encode("utf-8", errors="replace"))
 
     def _init(self, msg: Message) -> None:
         h = msg.header

@@ -1,0 +1,407 @@
+"""The client's I/O channel to its parameter servers: one thread, one DEALER per server.
+
+ZeroMQ sockets are not thread-safe, so one I/O thread owns them all; callers
+hand it requests through :meth:`Channel.submit` (a locked list and a wake-up
+pipe) and get a future back.
+
+- **Order and credit.** Per server, requests wait in
+  :class:`~gradhub.ps.lanes.PriorityLanes` (one lane per key: higher priority
+  first, FIFO among equals, one key's requests never reordered) and are sent
+  while the pushes in flight stay under ``max_inflight_bytes``, so that a
+  high-priority push can pass a queue of low-priority ones (BytePS's credit).
+- **Deadlines.** Every request has a deadline (``timeout``); past it its
+  future fails with :class:`~gradhub.errors.ServerTimeoutError` naming the
+  server and key.
+- **Exactly once.** Pushes and inits carry ``(worker_id, session, seq)``; a
+  request not answered within ``retry_interval`` is sent again with the same
+  numbers, and the server applies it once.
+- **Hello and replay.** After a server restart (a new *incarnation*, noticed
+  on a heartbeat or a ``STALE_INCARNATION`` answer) the channel says hello
+  again and resends, in their original order, the pushes the server had
+  acknowledged but not yet made durable (kept until the server reports them
+  durable), then everything in flight. ZeroMQ reconnects the socket on its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import zmq
+
+from gradhub.errors import ClosedError, GradhubError, ProtocolError, ServerTimeoutError
+from gradhub.ps import protocol, status
+from gradhub.ps.lanes import PriorityLanes
+from gradhub.ps.protocol import Header, Message, Op, Status
+
+log = logging.getLogger(__name__)
+
+_MUTATING = (Op.PUSH, Op.INIT)
+
+
+@dataclass
+class Request:
+    """One request of the client; ``key`` is the key on the wire (a slice key for slices)."""
+
+    op: Op
+    server: int
+    key: str = ""
+    user_key: str = ""
+    priority: int = 0
+    payload: torch.Tensor | None = None
+    owned: bool = False  # payload is our own copy (may be kept for replay as is)
+    codec: str = "none"
+    meta: bytes = b""
+    on_reply: Callable[[Message], None] | None = None
+    future: Future[None] | None = None
+    order: int = 0
+    request_id: int = 0
+    seq: int = 0
+    deadline: float = float("inf")
+    next_retry: float = float("inf")
+    nbytes: int = 0
+
+
+@dataclass
+class _Server:
+    address: str
+    sock: zmq.Socket[Any]
+    incarnation: int = 0
+    connected_before: bool = False
+    hello: Request | None = None
+    next_seq: int = 1
+    queue: PriorityLanes[str, Request] = field(default_factory=PriorityLanes)
+    inflight: dict[int, Request] = field(default_factory=dict)
+    inflight_bytes: int = 0
+    retained: dict[int, Request] = field(default_factory=dict)  # acked, not yet durable
+    next_heartbeat: float = 0.0
+
+
+class Channel:
+    """Requests to a list of servers, sent and answered on one I/O thread."""
+
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        *,
+        worker_id: int,
+        secret: bytes | None,
+        timeout: float,
+        heartbeat_interval: float,
+        retry_interval: float,
+        max_inflight_bytes: int,
+    ) -> None:
+        self.worker_id = worker_id
+        self.timeout = timeout
+        self.heartbeat_interval = heartbeat_interval
+        self.retry_interval = retry_interval
+        self.max_inflight_bytes = max_inflight_bytes
+        self.dropped_replies = 0
+        self._secret = secret
+        self._session = secrets.randbits(63) | 1
+        self._lock = threading.Lock()
+        self._submitted: list[Request] = []
+        self._ids = itertools.count(1)
+        self._orders = itertools.count(1)
+        self._stopping = False
+        self._ctx = zmq.Context()
+        self._servers: list[_Server] = []
+        for a in addresses:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.linger = 0
+            sock.sndhwm = 0
+            sock.rcvhwm = 0
+            sock.setsockopt(zmq.RECONNECT_IVL, 100)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+            try:
+                sock.connect(a)
+            except zmq.ZMQError as exc:
+                sock.close(0)
+                self._close_sockets()
+                raise ValueError(f"cannot connect to parameter server {a!r}: {exc}") from exc
+            self._servers.append(_Server(a, sock))
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        os.set_blocking(self._wake_r, False)
+        self._thread = threading.Thread(
+            target=self._loop, name=f"gradhub-ps-client-{worker_id}", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def addresses(self) -> list[str]:
+        return [s.address for s in self._servers]
+
+    def submit(self, req: Request) -> Future[None]:
+        """Queue ``req`` (its ids, sequence number and deadline are set here)."""
+        if req.payload is not None and req.payload.device.type != "cpu":
+            req.payload, req.owned = req.payload.cpu(), True
+        if req.payload is not None and not req.payload.is_contiguous():
+            req.payload, req.owned = req.payload.contiguous(), True
+        if req.payload is not None:
+            req.nbytes = req.payload.numel() * req.payload.element_size()
+        future: Future[None] = Future()
+        req.future = future
+        with self._lock:
+            if self._stopping:
+                raise ClosedError("this RemoteParameterServer is closed; create a new one")
+            req.order = next(self._orders)
+            req.request_id = next(self._ids)
+            req.deadline = time.monotonic() + self.timeout
+            if req.op in _MUTATING:
+                srv = self._servers[req.server]
+                req.seq = srv.next_seq
+                srv.next_seq += 1
+            self._submitted.append(req)
+        self._wake()
+        return future
+
+    def busy(self) -> bool:
+        """Whether requests are queued or in flight."""
+        with self._lock:
+            if self._submitted:
+                return True
+        return any(s.inflight or s.queue for s in self._servers)
+
+    def close(self) -> None:
+        """Stop the I/O thread (pending futures fail with ``ClosedError``) and the sockets."""
+        with self._lock:
+            self._stopping = True
+        self._wake()
+        self._thread.join()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        self._close_sockets()
+
+    # --------------------------------------------------------------- helpers
+    def _close_sockets(self) -> None:
+        for s in self._servers:
+            s.sock.close(0)
+        self._ctx.term()
+
+    def _wake(self) -> None:
+        # A full pipe already wakes the loop; a closed one means we are stopping.
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+
+    # ----------------------------------------------------------- I/O thread
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._wake_r, zmq.POLLIN)
+        for s in self._servers:
+            poller.register(s.sock, zmq.POLLIN)
+        socks = {s.sock: i for i, s in enumerate(self._servers)}
+        next_check = 0.0
+        try:
+            while True:
+                with self._lock:
+                    new, self._submitted = self._submitted, []
+                    stopping = self._stopping
+                if stopping:
+                    break
+                for req in new:
+                    self._servers[req.server].queue.push(req.key, req, req.priority)
+                now = time.monotonic()
+                for i, s in enumerate(self._servers):
+                    self._send_ready(i, s, now)
+                if now >= next_check:
+                    next_check = now + 0.05
+                    self._check_timers(now)
+                for sock, _ in poller.poll(50):
+                    if sock == self._wake_r:
+                        with contextlib.suppress(BlockingIOError):
+                            os.read(self._wake_r, 4096)
+                    else:
+                        self._receive(socks[sock])
+        except Exception:
+            log.exception("parameter-server client I/O thread failed")
+            raise
+        finally:
+            self._fail_all(ClosedError("the RemoteParameterServer was closed"))
+
+    def _send_ready(self, i: int, s: _Server, now: float) -> None:
+        if s.incarnation == 0:
+            if s.hello is None:
+                self._send_hello(i, s, now)
+            return
+        if now >= s.next_heartbeat:
+            s.next_heartbeat = now + self.heartbeat_interval
+            self._send(s, Request(Op.HEARTBEAT, i, request_id=next(self._ids)))
+        while (top := s.queue.peek()) is not None:
+            req = top[1]
+            heavy = req.op in _MUTATING
+            if (
+                heavy
+                and s.inflight_bytes
+                and s.inflight_bytes + req.nbytes > self.max_inflight_bytes
+            ):
+                return
+            s.queue.pop()
+            if heavy:
+                s.inflight_bytes += req.nbytes
+            s.inflight[req.request_id] = req
+            req.next_retry = now + self.retry_interval
+            self._send(s, req)
+
+    def _send_hello(self, i: int, s: _Server, now: float) -> None:
+        retry = min(self.retry_interval, self.heartbeat_interval)
+        s.hello = Request(Op.HELLO, i, request_id=next(self._ids), next_retry=now + retry)
+        self._send(s, s.hello)
+
+    def _send(self, s: _Server, req: Request) -> None:
+        header = Header(
+            op=req.op,
+            request_id=req.request_id,
+            worker_id=self.worker_id,
+            session=self._session,
+            seq=req.seq,
+            incarnation=s.incarnation,
+            priority=req.priority,
+            codec=req.codec,
+        )
+        frames = protocol.encode(header, req.key, req.payload, meta=req.meta, secret=self._secret)
+        try:
+            s.sock.send_multipart(frames, copy=False)
+        except zmq.ZMQError as exc:
+            log.debug("send to %s failed (%s); will retry", s.address, exc)
+
+    def _receive(self, i: int) -> None:
+        s = self._servers[i]
+        for _ in range(1000):
+            try:
+                frames = s.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                msg = protocol.decode(frames, secret=self._secret, max_payload=1 << 40)
+                if not msg.header.is_reply:
+                    raise ProtocolError("a request sent to a client")
+            except ProtocolError as exc:
+                self.dropped_replies += 1
+                log.warning("dropped a reply from %s: %s", s.address, exc)
+                continue
+            self._handle(s, msg)
+
+    def _handle(self, s: _Server, msg: Message) -> None:
+        h = msg.header
+        if h.op == Op.HELLO:
+            if s.hello is not None and h.request_id == s.hello.request_id:
+                self._hello_done(s, h)
+            return
+        if h.op == Op.HEARTBEAT:
+            if s.incarnation and h.incarnation != s.incarnation:
+                self._restart_seen(s)
+            return
+        req = s.inflight.get(h.request_id)
+        if req is None:
+            return  # an answer to a retry we already had, or to a timed-out request
+        if h.status == Status.STALE_INCARNATION:
+            if s.incarnation and h.incarnation != s.incarnation:
+                self._restart_seen(s)
+            return
+        del s.inflight[h.request_id]
+        if req.op in _MUTATING:
+            s.inflight_bytes -= req.nbytes
+        future = req.future
+        if h.status != Status.OK:
+            if future is not None and not future.done():
+                op = req.op.name.lower()
+                future.set_exception(
+                    status.error_of(h.status, msg.text(), s.address, op, req.user_key)
+                )
+            return
+        if req.op in _MUTATING:
+            self._retain(s, req, h.aux)
+        try:
+            if req.on_reply is not None:
+                req.on_reply(msg)
+        except Exception as exc:
+            if future is not None and not future.done():
+                future.set_exception(exc)
+            return
+        if future is not None and not future.done():
+            future.set_result(None)
+
+    def _retain(self, s: _Server, req: Request, durable: int) -> None:
+        for seq in [q for q in s.retained if q <= durable]:
+            del s.retained[seq]
+        if req.seq > durable:
+            if not req.owned and req.payload is not None:
+                req.payload, req.owned = req.payload.clone(), True
+            req.future, req.on_reply, req.deadline = None, None, float("inf")
+            s.retained[req.seq] = req
+
+    def _hello_done(self, s: _Server, h: Header) -> None:
+        restarted = s.connected_before
+        s.connected_before = True
+        s.incarnation = h.incarnation
+        s.hello = None
+        if not restarted:
+            return
+        for seq in [q for q in s.retained if q <= h.aux]:
+            del s.retained[seq]
+        log.warning(
+            "parameter server %s restarted; resending %d unsaved push(es) and %d in flight",
+            s.address,
+            len(s.retained),
+            len(s.inflight),
+        )
+        now = time.monotonic()
+        pending = sorted([*s.retained.values(), *s.inflight.values()], key=lambda r: r.order)
+        for req in pending:
+            req.next_retry = now + self.retry_interval
+            if req.request_id not in s.inflight:
+                s.inflight[req.request_id] = req
+                if req.op in _MUTATING:
+                    s.inflight_bytes += req.nbytes
+            self._send(s, req)
+        s.retained.clear()
+
+    def _restart_seen(self, s: _Server) -> None:
+        if s.hello is None:
+            log.info("parameter server %s has a new incarnation; reconnecting", s.address)
+            s.incarnation = 0
+
+    def _check_timers(self, now: float) -> None:
+        for i, s in enumerate(self._servers):
+            if s.hello is not None and now >= s.hello.next_retry:
+                self._send_hello(i, s, now)
+            for rid, req in list(s.inflight.items()):
+                if now >= req.deadline:
+                    del s.inflight[rid]
+                    if req.op in _MUTATING:
+                        s.inflight_bytes -= req.nbytes
+                    self._expire(s, req)
+                elif now >= req.next_retry and s.incarnation:
+                    req.next_retry = now + self.retry_interval
+                    self._send(s, req)
+            for req in s.queue.remove_if(lambda r: now >= r.deadline):
+                self._expire(s, req)
+
+    def _expire(self, s: _Server, req: Request) -> None:
+        if req.future is not None and not req.future.done():
+            op = req.op.name.lower()
+            req.future.set_exception(
+                ServerTimeoutError(s.address, req.user_key or None, op, self.timeout)
+            )
+
+    def _fail_all(self, exc: GradhubError) -> None:
+        with self._lock:
+            reqs, self._submitted = self._submitted, []
+        for s in self._servers:
+            reqs += list(s.inflight.values())
+            reqs += s.queue.clear()
+            s.inflight.clear()
+        for r in reqs:
+            if r.future is not None and not r.future.done():
+                r.future.set_exception(exc)
