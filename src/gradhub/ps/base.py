@@ -2,13 +2,23 @@
 
 Semantics follow MXNet's KVStore, which DJL's ``ParameterServer`` wraps:
 
-- ``init(key, values)``: one value per key, given as a list of replicas (one
-  per device) that must all have the same shape and dtype; the first replica
-  is stored. A second ``init`` of a key is a ``DuplicateParameterError``.
-- ``push(key, grads, priority)``: the replicas are summed and the key's
-  server-side optimizer runs *once* on the sum. Returns a future that is
-  done when the update has been applied.
-- ``pull(key, weights, priority)``: the stored value is copied into every
+- ``init(key, values, *, optimizer=None)``: one value per key, given as a
+  list of replicas (one per device) that must all have the same shape and
+  dtype; the first replica is stored. A second ``init`` of a key is a
+  ``DuplicateParameterError``. ``optimizer`` is an
+  :class:`~gradhub.optim.OptimizerSpec` with one group, the hyperparameters
+  for this key: the key's server-side optimizer is built from it. A server
+  fixed to an optimizer of its own (``gradhub serve --optimizer adam --lr
+  1e-3``, or ``LocalParameterServer(optimizer=...)``) refuses a different spec
+  with ``OptimizerMismatchError`` naming both; a server without one takes the
+  spec. Every slice of a sliced tensor gets the same spec.
+- ``push(key, grads, *, priority=0, hyperparameters=None)``: the replicas are
+  summed and the key's server-side optimizer runs *once* on the sum. The
+  ``hyperparameters`` (e.g. ``{"lr": 0.05}`` from the worker's LR scheduler)
+  are set on the key's param group first, as part of the same push (applied
+  exactly once with it). Returns a future that is done when the server has
+  taken the push.
+- ``pull(key, weights, *, priority=0)``: the stored value is copied into every
   tensor of ``weights`` (in place). Returns a future done when they are filled.
 - Per key, one client's operations keep their order: a pull sees that
   client's earlier pushes applied. Among queued operations, the higher
@@ -22,14 +32,16 @@ are converted.
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from types import TracebackType
+from typing import Any
 
 import numpy as np
 import torch
 
 from gradhub.errors import DtypeMismatchError, ShapeMismatchError
+from gradhub.optim import OptimizerSpec
 from gradhub.trees import ROOT
 
 Replicas = torch.Tensor | np.ndarray | Sequence[torch.Tensor | np.ndarray]
@@ -71,15 +83,22 @@ class ParameterServer(abc.ABC):
     """A key-value store of parameters, with gradients applied server-side."""
 
     @abc.abstractmethod
-    def init(self, key: str, values: Replicas) -> None:
+    def init(self, key: str, values: Replicas, *, optimizer: OptimizerSpec | None = None) -> None:
         """Store the initial value of ``key`` (replicas must agree in shape and dtype)."""
 
     @abc.abstractmethod
-    def push(self, key: str, grads: Replicas, priority: int = 0) -> Future[None]:
+    def push(
+        self,
+        key: str,
+        grads: Replicas,
+        *,
+        priority: int = 0,
+        hyperparameters: Mapping[str, Any] | None = None,
+    ) -> Future[None]:
         """Sum ``grads`` and apply one optimizer update to ``key``."""
 
     @abc.abstractmethod
-    def pull(self, key: str, weights: Replicas, priority: int = 0) -> Future[None]:
+    def pull(self, key: str, weights: Replicas, *, priority: int = 0) -> Future[None]:
         """Copy the value of ``key`` into every tensor of ``weights``."""
 
     @abc.abstractmethod

@@ -7,10 +7,32 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gradhub.optim import OptimizerSpec
 from gradhub.ps.consistency import MODES
 from gradhub.ps.protocol import DEFAULT_MAX_PAYLOAD
+from gradhub.ps.store import check_servable
 
-OPTIMIZERS = ("sgd", "adam", "descent", "ascent")
+NO_OPTIMIZER = "none"
+DEFAULT_OPTIMIZER = OptimizerSpec.of("sgd", lr=0.01)
+"""The optimizer of a key when neither the server nor the key's ``init`` names one."""
+
+
+def optimizer_spec(name: str, lr: float | None, momentum: float | None) -> OptimizerSpec:
+    """The spec of ``--optimizer NAME --lr LR --momentum M``.
+
+    ``NAME`` is a ``torch.optim`` class name (``sgd``, ``adam``, ``adamw``, ...),
+    or ``descent``/``ascent``: the coordinator's rules, value -/+= lr * grad,
+    which are SGD and SGD with ``maximize=True``. ``lr`` defaults to 0.01.
+    """
+    hyper: dict[str, float | bool] = {"lr": 0.01 if lr is None else lr}
+    if momentum is not None:
+        hyper["momentum"] = momentum
+    if name in ("descent", "ascent"):
+        if momentum:
+            raise ValueError(f"optimizer {name!r} has no momentum; use --optimizer sgd")
+        hyper.pop("momentum", None)
+        return OptimizerSpec.of("sgd", maximize=name == "ascent", **hyper)
+    return OptimizerSpec.of(name, **hyper)
 
 
 def secret_bytes(secret: str | bytes | None) -> bytes | None:
@@ -56,16 +78,24 @@ class ServerConfig:
     """ZeroMQ endpoint to bind (``*`` as the port picks a free one). Anything
     but loopback (or ``ipc://``) needs ``secret``."""
 
-    optimizer: str = field(default="sgd", metadata={"choices": OPTIMIZERS})
-    """``"sgd"`` or ``"adam"``: a ``torch.optim`` optimizer per key, on the
-    server; ``"descent"`` or ``"ascent"``: the ``DistributedGradientsCoordinator``
-    engine (value -/+= lr * gradient)."""
+    optimizer: OptimizerSpec | str | None = field(
+        default=None, metadata={"parse": str, "metavar": "NAME"}
+    )
+    """The optimizer of every key, fixed: a torch.optim name (sgd, adam, adamw, ...,
+    with lr and momentum), descent or ascent (SGD, and SGD maximising), or an
+    OptimizerSpec; an init that brings another spec fails with OptimizerMismatchError.
+    none: no optimizer, a push replaces the value with the pushed sum. Unset: each
+    key takes the spec its init brings, or SGD(lr=0.01) when it brings none.
 
-    lr: float = 0.01
-    """Learning rate of the optimizer."""
+    ``__post_init__`` turns a name (with ``lr``/``momentum``) into an
+    :class:`~gradhub.optim.OptimizerSpec`, so afterwards this is a spec, ``"none"``
+    or ``None``, and ``lr``/``momentum`` are ``None``."""
 
-    momentum: float = 0.0
-    """SGD momentum (ignored by the other optimizers)."""
+    lr: float | None = None
+    """Learning rate of a named optimizer (default 0.01); alone, it fixes SGD."""
+
+    momentum: float | None = None
+    """Momentum of a named optimizer (SGD, RMSprop)."""
 
     mode: str = field(default="async", metadata={"choices": MODES})
     """``"async"``, ``"sync"`` or ``"ssp"`` (see :mod:`gradhub.ps.consistency`)."""
@@ -119,14 +149,9 @@ class ServerConfig:
                 "without authentication; give a shared secret (--secret-file) or bind to "
                 "tcp://127.0.0.1:PORT"
             )
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(
-                f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}"
-            )
+        self._normalise_optimizer()
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be positive, got {self.lr}")
         if self.workers < 1:
             raise ValueError(f"workers must be at least 1, got {self.workers}")
         if self.max_staleness < 0:
@@ -141,6 +166,25 @@ class ServerConfig:
             raise ValueError(f"threads must be at least 1, got {self.threads}")
         if self.max_payload < 1:
             raise ValueError(f"max_payload must be positive, got {self.max_payload}")
+
+    def _normalise_optimizer(self) -> None:
+        name, lr, momentum = self.optimizer, self.lr, self.momentum
+        if lr is not None and not lr > 0:
+            raise ValueError(f"lr must be positive, got {lr}")
+        if isinstance(name, OptimizerSpec) or name == NO_OPTIMIZER:
+            if lr is not None or momentum is not None:
+                raise ValueError(f"lr and momentum go with an optimizer name, not with {name!r}")
+        elif name is None and lr is None and momentum is None:
+            pass  # not fixed: the workers' spec, or DEFAULT_OPTIMIZER
+        elif name is None or isinstance(name, str):
+            self.optimizer = optimizer_spec(name or "sgd", lr, momentum)
+        else:
+            raise TypeError(
+                f"optimizer is an OptimizerSpec, a torch.optim name or 'none', got {name!r}"
+            )
+        if isinstance(self.optimizer, OptimizerSpec):
+            check_servable(self.optimizer)
+        self.lr = self.momentum = None
 
     @property
     def checkpoint_path(self) -> Path | None:

@@ -23,14 +23,18 @@ Decisions:
 - ``close(timeout)`` runs the operations already queued, then stops the
   thread; idempotent.
 - ``optimizer=None``: the store's default (a push replaces the value with the
-  pushed sum), see :mod:`gradhub.ps.store`.
+  pushed sum) for keys whose ``init`` brings no spec; a key whose ``init``
+  brings an :class:`~gradhub.optim.OptimizerSpec` gets that optimizer. With an
+  ``optimizer`` (factory or spec) the server is fixed to it, and an ``init``
+  bringing a different spec is an ``OptimizerMismatchError``. See
+  :mod:`gradhub.ps.store`.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,9 +42,10 @@ from typing import Any
 import torch
 
 from gradhub.errors import ClosedError, GradhubTimeoutError, UnknownParameterError
+from gradhub.optim import OptimizerFactory, OptimizerSpec
 from gradhub.ps.base import ParameterServer, Replicas, as_replicas, check_like
 from gradhub.ps.lanes import PriorityLanes
-from gradhub.ps.store import OptimizerFactory, ParameterStore
+from gradhub.ps.store import ParameterStore
 
 logger = logging.getLogger(__name__)
 
@@ -55,11 +60,13 @@ class LocalParameterServer(ParameterServer):
     """A parameter server in this process.
 
     Args:
-        optimizer: factory ``list[Tensor] -> torch.optim.Optimizer``, called once
-            per key; ``None`` makes a push replace the value with the sum.
+        optimizer: an :class:`~gradhub.optim.OptimizerSpec` or a factory
+            ``list[Tensor] -> torch.optim.Optimizer``, built once per key;
+            ``None``: keys take the spec their ``init`` brings, and without
+            one a push replaces the value with the sum.
     """
 
-    def __init__(self, optimizer: OptimizerFactory | None = None) -> None:
+    def __init__(self, optimizer: OptimizerFactory | OptimizerSpec | None = None) -> None:
         self._store = ParameterStore(optimizer)
         self._store_lock = threading.Lock()  # held while an op or init touches the store
         self._cond = threading.Condition()  # guards the queues and _known below
@@ -72,24 +79,32 @@ class LocalParameterServer(ParameterServer):
         self._thread.start()
 
     # -------------------------------------------------------------- interface
-    def init(self, key: str, values: Replicas) -> None:
+    def init(self, key: str, values: Replicas, *, optimizer: OptimizerSpec | None = None) -> None:
         self._check_open()
         replicas = as_replicas(values, what="values")
         with self._store_lock:
-            self._store.init(key, replicas[0])
+            self._store.init(key, replicas[0], optimizer=optimizer)
             with self._cond:
                 self._known[key] = self._store.value(key)
 
-    def push(self, key: str, grads: Replicas, priority: int = 0) -> Future[None]:
+    def push(
+        self,
+        key: str,
+        grads: Replicas,
+        *,
+        priority: int = 0,
+        hyperparameters: Mapping[str, Any] | None = None,
+    ) -> Future[None]:
         self._check_open()
         replicas = as_replicas(grads, what="grads")
         device = self._check(key, replicas[0]).device
         total = replicas[0].detach().to(device=device, copy=True)
         for g in replicas[1:]:
             total.add_(g.detach().to(device))
-        return self._submit(key, priority, lambda: self._store.apply(key, total))
+        hyper = dict(hyperparameters) if hyperparameters else None
+        return self._submit(key, priority, lambda: self._store.apply(key, total, hyper))
 
-    def pull(self, key: str, weights: Replicas, priority: int = 0) -> Future[None]:
+    def pull(self, key: str, weights: Replicas, *, priority: int = 0) -> Future[None]:
         self._check_open()
         targets = as_replicas(weights, what="weights")
         self._check(key, targets[0])

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -28,6 +28,7 @@ import torch
 
 from gradhub import codecs
 from gradhub.errors import ClosedError, DtypeMismatchError, ShapeMismatchError
+from gradhub.optim import OptimizerSpec
 from gradhub.ps.base import ParameterServer, Replicas, as_replicas
 from gradhub.ps.channel import Channel, Request
 from gradhub.ps.config import secret_bytes
@@ -95,20 +96,37 @@ class RemoteParameterServer(ParameterServer):
         return self._channel.dropped_replies
 
     # ------------------------------------------------------------ public API
-    def init(self, key: str, values: Replicas) -> None:
-        """Store the initial value of ``key`` on its server(s); blocks until acknowledged."""
+    def init(self, key: str, values: Replicas, *, optimizer: OptimizerSpec | None = None) -> None:
+        """Store the initial value of ``key`` on its server(s); blocks until acknowledged.
+
+        ``optimizer``: the spec of this key's optimizer on the server (every
+        slice gets the same); see :class:`~gradhub.ps.base.ParameterServer`.
+        """
         self._check_open()
         value = as_replicas(values)[0].detach()
+        meta = b"" if optimizer is None else _json({"optimizer": optimizer.to_dict()})
         futures = [
-            self._submit(Op.INIT, key, piece.key, piece.server, payload=part)
+            self._submit(Op.INIT, key, piece.key, piece.server, payload=part, meta=meta)
             for piece, part in split(key, value, len(self.addresses), self.slice_bytes)
         ]
         for f in futures:
             f.result()
 
-    def push(self, key: str, grads: Replicas, priority: int = 0) -> Future[None]:
-        """Send the sum of ``grads``; the future is done once the server accepted it."""
+    def push(
+        self,
+        key: str,
+        grads: Replicas,
+        *,
+        priority: int = 0,
+        hyperparameters: Mapping[str, Any] | None = None,
+    ) -> Future[None]:
+        """Send the sum of ``grads``; the future is done once the server accepted it.
+
+        ``hyperparameters`` travel in the same message (applied exactly once
+        with this push, also when it is retried or replayed).
+        """
         self._check_open()
+        meta = _json({"hyperparameters": dict(hyperparameters)}) if hyperparameters else b""
         reps = [g.detach() for g in as_replicas(grads, what="grads")]
         total = reps[0]
         owned = len(reps) > 1
@@ -130,11 +148,12 @@ class RemoteParameterServer(ParameterServer):
                     payload=part,
                     owned=part_owned,
                     codec=codec,
+                    meta=meta,
                 )
             )
         return _all_of(futures)
 
-    def pull(self, key: str, weights: Replicas, priority: int = 0) -> Future[None]:
+    def pull(self, key: str, weights: Replicas, *, priority: int = 0) -> Future[None]:
         """Copy the value of ``key`` into every tensor of ``weights``."""
         self._check_open()
         targets = as_replicas(weights, what="weights")
@@ -253,6 +272,18 @@ def _filler(key: str, targets: list[torch.Tensor], rng: slice | None) -> Callabl
                     t.copy_(flat.view(t.shape))
 
     return fill
+
+
+def _json(data: dict[str, Any]) -> bytes:
+    def plain(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            return value.item()
+        raise TypeError(f"{type(value).__name__} cannot be sent to a parameter server as JSON")
+
+    try:
+        return json.dumps(data, default=plain, allow_nan=False).encode()
+    except ValueError as exc:
+        raise ValueError(f"{data}: hyperparameters must be finite numbers ({exc})") from None
 
 
 def _all_of(futures: list[Future[None]]) -> Future[None]:

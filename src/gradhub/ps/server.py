@@ -41,7 +41,6 @@ import torch
 import zmq
 
 from gradhub import codecs
-from gradhub.coordinator import DistributedGradientsCoordinator
 from gradhub.errors import (
     AuthenticationError,
     BindError,
@@ -49,14 +48,15 @@ from gradhub.errors import (
     ProtocolError,
     UnknownOpError,
 )
+from gradhub.optim import OptimizerSpec
 from gradhub.ps import checkpoint, protocol, status
 from gradhub.ps.base import check_like
-from gradhub.ps.config import ServerConfig
+from gradhub.ps.config import DEFAULT_OPTIMIZER, NO_OPTIMIZER, ServerConfig
 from gradhub.ps.consistency import Consistency
 from gradhub.ps.dedupe import Ledger
 from gradhub.ps.lanes import PriorityLanes
 from gradhub.ps.protocol import Message, Op, Status
-from gradhub.ps.store import OptimizerFactory, ParameterStore
+from gradhub.ps.store import ParameterStore, describe
 
 log = logging.getLogger(__name__)
 
@@ -64,41 +64,15 @@ _DATA_OPS = (Op.INIT, Op.PUSH, Op.PULL)
 _POLL_MS = 100
 
 
-def optimizer_factory(config: ServerConfig) -> OptimizerFactory | None:
-    """The ``torch.optim`` factory for ``config.optimizer`` (None for the coordinator engine)."""
-    if config.optimizer == "sgd":
-        return lambda params: torch.optim.SGD(params, lr=config.lr, momentum=config.momentum)
-    if config.optimizer == "adam":
-        return lambda params: torch.optim.Adam(params, lr=config.lr)
-    return None
-
-
-class _Engine:
-    """Applies one summed gradient to a key: the store's optimizer, or a
-    ``DistributedGradientsCoordinator`` per key for ``descent``/``ascent``."""
-
-    def __init__(self, store: ParameterStore, config: ServerConfig):
-        self.store = store
-        self.mode = config.optimizer if config.optimizer in ("descent", "ascent") else None
-        self.lr = config.lr
-        self._coordinators: dict[str, DistributedGradientsCoordinator] = {}
-
-    def apply(self, key: str, grad: torch.Tensor) -> None:
-        if self.mode is None:
-            self.store.apply(key, grad)
-            return
-        coord = self._coordinators.get(key)
-        if coord is None:
-            coord = DistributedGradientsCoordinator(self.mode, learning_rate=self.lr)
-            coord.set_model_parameters(self.store.value(key), copy=False)
-            self._coordinators[key] = coord
-        coord.add_gradients(grad, copy=False)
-        coord.apply_pending()
-
-    def close(self) -> None:
-        for coord in self._coordinators.values():
-            coord.close()
-        self._coordinators.clear()
+def make_store(config: ServerConfig) -> ParameterStore:
+    """The store for ``config.optimizer``: fixed to a spec, fixed to none, or
+    taking the spec each ``init`` brings (``DEFAULT_OPTIMIZER`` without one)."""
+    if config.optimizer is None:
+        return ParameterStore(DEFAULT_OPTIMIZER, fixed=False)
+    if config.optimizer == NO_OPTIMIZER:
+        return ParameterStore(None, fixed=True)
+    assert isinstance(config.optimizer, OptimizerSpec)  # ServerConfig normalised it
+    return ParameterStore(config.optimizer, fixed=True)
 
 
 class Server:
@@ -111,8 +85,7 @@ class Server:
     def __init__(self, config: ServerConfig):
         self.config = config
         self.incarnation = secrets.randbits(63) | 1
-        self.store = ParameterStore(optimizer_factory(config))
-        self.engine = _Engine(self.store, config)
+        self.store = make_store(config)
         self.consistency = Consistency(
             config.mode, workers=config.workers, max_staleness=config.max_staleness
         )
@@ -162,11 +135,12 @@ class Server:
             raise BindError(f"cannot bind parameter server to {config.bind}: {exc}") from exc
         self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         log.info(
-            "parameter server on %s: mode=%s optimizer=%s lr=%g workers=%d%s",
+            "parameter server on %s: mode=%s optimizer=%s workers=%d%s",
             self.address,
             config.mode,
-            config.optimizer,
-            config.lr,
+            "per init (default " + describe(DEFAULT_OPTIMIZER) + ")"
+            if config.optimizer is None
+            else describe(self.store.default_spec),
             config.workers,
             " (signed)" if config.secret else "",
         )
@@ -206,7 +180,6 @@ class Server:
         try:
             self.checkpoint()
         finally:
-            self.engine.close()
             self._sock.close(0)
             self._ctx.term()
             log.info("parameter server on %s closed", self.address)
@@ -344,7 +317,9 @@ class Server:
     def _init(self, msg: Message) -> None:
         h = msg.header
         if not self.ledger.applied(h.worker_id, h.session, h.seq):
-            self.store.init(msg.key, msg.tensor())
+            spec = msg.meta_json().get("optimizer")
+            optimizer = None if spec is None else OptimizerSpec.from_dict(spec)
+            self.store.init(msg.key, msg.tensor(), optimizer=optimizer)
             self.ledger.mark(h.worker_id, h.session, h.seq)
             self._dirty = True
             self.counters["init"] += 1
@@ -361,6 +336,9 @@ class Server:
         if h.codec != "none":
             grad = codecs.get(h.codec).decode(grad).to(value.dtype)
         check_like(msg.key, value, grad)
+        hyper = msg.meta_json().get("hyperparameters")
+        if hyper:
+            self.store.set_hyperparameters(msg.key, hyper)
         for total in self.consistency.push(h.worker_id, msg.key, grad):
             self._apply(msg.key, total)
         self.ledger.mark(h.worker_id, h.session, h.seq)
@@ -370,7 +348,7 @@ class Server:
         self._wake(msg.key)
 
     def _apply(self, key: str, grad: torch.Tensor) -> None:
-        self.engine.apply(key, grad)
+        self.store.apply(key, grad)
         self._snapshots.pop(key, None)
         self.counters["updates"] += 1
 

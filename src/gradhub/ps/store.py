@@ -6,38 +6,99 @@ the remote servers wrap it with their own concurrency; callers serialise access.
 Decisions:
 
 - ``init`` stores a detached copy of the value; its shape and dtype are fixed.
-- ``optimizer`` is a factory ``list[Tensor] -> torch.optim.Optimizer`` called
-  once per key with ``[value]``, so optimizer state (momentum, Adam moments)
-  lives with its key. ``None`` follows MXNet's KVStore without an updater: a
-  push *replaces* the value with the pushed sum, so the store aggregates
-  (push gradients, pull their sum) instead of training.
-- ``apply(key, grad)`` runs exactly one optimizer step: the value's ``.grad``
-  is set to ``grad``, ``step()`` runs, ``.grad`` is cleared again.
-- ``state_dict()`` holds copies of the values and of each optimizer's state;
+- Each key has its own optimizer, built once at ``init`` over ``[value]``, so
+  optimizer state (momentum, Adam moments) lives with its key. Where it comes
+  from (:meth:`ParameterStore.init`): the store's ``optimizer`` (an
+  :class:`~gradhub.optim.OptimizerSpec` or a factory
+  ``list[Tensor] -> torch.optim.Optimizer``), or the spec the ``init`` brings.
+  When the store is ``fixed`` (the default when it has an optimizer), an
+  ``init`` that brings a different spec is an ``OptimizerMismatchError`` naming
+  both; otherwise the init's spec wins and the store's optimizer is the default
+  for inits that bring none.
+- No optimizer (``None``) follows MXNet's KVStore without an updater: a push
+  *replaces* the value with the pushed sum, so the store aggregates (push
+  gradients, pull their sum) instead of training.
+- ``apply(key, grad, hyperparameters)`` runs exactly one optimizer step: the
+  given hyperparameters (a worker's LR schedule) are set on the key's param
+  group first, the value's ``.grad`` is set to ``grad``, ``step()`` runs,
+  ``.grad`` is cleared again.
+- ``state_dict()`` holds copies of the values, each key's optimizer spec and
+  optimizer state;
   ``load_state_dict()`` checks everything before changing anything.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator, Sequence
+import inspect
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from gradhub.errors import DuplicateParameterError, UnknownParameterError
+from gradhub.errors import DuplicateParameterError, OptimizerMismatchError, UnknownParameterError
+from gradhub.optim import OptimizerFactory, OptimizerSpec
 from gradhub.ps.base import check_like
 
-OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+__all__ = ["OptimizerFactory", "ParameterStore", "describe", "same_optimizer"]
+
+
+def describe(spec: OptimizerSpec | None) -> str:
+    """``SGD(lr=0.1, momentum=0.9, ...)``: class and hyperparameters, for messages."""
+    if spec is None:
+        return "no optimizer (a push replaces the value with the pushed sum)"
+    hyper = ", ".join(f"{k}={v!r}" for k, v in spec.groups[0].items())
+    return f"{spec.name}({hyper})"
+
+
+def same_optimizer(a: OptimizerSpec, b: OptimizerSpec) -> bool:
+    """Same class and same constructor hyperparameters (keys a scheduler adds,
+    such as ``initial_lr``, do not count)."""
+    if a.name != b.name:
+        return False
+    accepted = set(inspect.signature(a.cls.__init__).parameters) - {"self", "params"}
+    ga, gb = a.groups[0], b.groups[0]
+    return all(ga.get(k) == gb.get(k) for k in accepted if k in ga or k in gb)
+
+
+def check_servable(spec: OptimizerSpec) -> OptimizerSpec:
+    """``spec`` if a server can step it on a gradient alone (LBFGS needs a closure)."""
+    if spec.name == "LBFGS":
+        raise ValueError(
+            "optimizer LBFGS re-evaluates the loss through a closure, which a parameter "
+            "server does not have; use a gradient-only torch.optim optimizer (SGD, Adam, ...)"
+        )
+    return spec
+
+
+def _spec_of(optimizer: OptimizerFactory | OptimizerSpec | None) -> OptimizerSpec | None:
+    """The spec of a store's optimizer (a factory is probed once); ``None`` if it has none."""
+    if optimizer is None or isinstance(optimizer, OptimizerSpec):
+        return optimizer
+    try:
+        return OptimizerSpec.of(optimizer([torch.zeros(1, requires_grad=True)]))
+    except TypeError:
+        return None  # a factory of a class outside torch.optim: compared by identity only
+
+
+def _hyper_value(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value  # JSON lists: Adam's betas
 
 
 class ParameterStore:
     """Values and per-key optimizers, with one-step-per-push apply."""
 
-    def __init__(self, optimizer: OptimizerFactory | None = None) -> None:
-        self._factory = optimizer
+    def __init__(
+        self,
+        optimizer: OptimizerFactory | OptimizerSpec | None = None,
+        *,
+        fixed: bool | None = None,
+    ) -> None:
+        self._default = optimizer
+        self.fixed = optimizer is not None if fixed is None else fixed
         self._values: dict[str, torch.Tensor] = {}
         self._optimizers: dict[str, torch.optim.Optimizer] = {}
+        self._specs: dict[str, OptimizerSpec | None] = {}  # from init, for checkpoints
         self._steps: dict[str, int] = {}
 
     def __contains__(self, key: object) -> bool:
@@ -74,24 +135,83 @@ class ParameterStore:
         """Raise if ``key`` is unknown or ``tensor`` differs from it in shape or dtype."""
         check_like(key, self.value(key), tensor)
 
-    def init(self, key: str, value: torch.Tensor) -> None:
-        """Store a copy of ``value`` under ``key``; ``DuplicateParameterError`` if present."""
+    def init(
+        self, key: str, value: torch.Tensor, *, optimizer: OptimizerSpec | None = None
+    ) -> None:
+        """Store a copy of ``value`` under ``key``; ``DuplicateParameterError`` if present.
+
+        ``optimizer``: the spec the caller wants for this key (one group). A
+        fixed store refuses a different one (``OptimizerMismatchError``); an
+        unfixed store builds it instead of its default.
+        """
         if not isinstance(key, str) or not key:
             raise TypeError(f"parameter keys are non-empty strings, got {key!r}")
         if key in self._values:
             raise DuplicateParameterError(
                 f"parameter {key!r} is already initialised; each key is initialised once"
             )
+        factory = self._factory_for(key, optimizer)
         stored = value.detach().clone()
-        optimizer = self._factory([stored]) if self._factory is not None else None
+        built = factory([stored]) if factory is not None else None
         self._values[key] = stored
         self._steps[key] = 0
-        if optimizer is not None:
-            self._optimizers[key] = optimizer
+        self._specs[key] = optimizer
+        if built is not None:
+            self._optimizers[key] = built
 
-    def apply(self, key: str, grad: torch.Tensor) -> None:
-        """One update of ``key`` with ``grad`` (already summed over replicas)."""
+    def _factory_for(self, key: str, spec: OptimizerSpec | None) -> OptimizerFactory | None:
+        default = self._default
+        if spec is not None:
+            check_servable(spec)
+        if spec is None or not self.fixed:
+            chosen = spec if spec is not None else default
+            return chosen.factory() if isinstance(chosen, OptimizerSpec) else chosen
+        mine = _spec_of(default)
+        if mine is None or not same_optimizer(mine, spec):
+            theirs = describe(spec)
+            ours = describe(mine) if mine is not None or default is None else repr(default)
+            raise OptimizerMismatchError(
+                f"init of {key!r} asks for {theirs}, but this parameter server is fixed to "
+                f"{ours}\n- help: use the server's optimizer, or start the server without "
+                "an explicit optimizer so that it takes the workers' spec"
+            )
+        return default.factory() if isinstance(default, OptimizerSpec) else default
+
+    @property
+    def default_spec(self) -> OptimizerSpec | None:
+        """The spec of the store's own optimizer (``None``: none, or not a torch.optim one)."""
+        return _spec_of(self._default)
+
+    def spec(self, key: str) -> OptimizerSpec | None:
+        """The spec of ``key``'s optimizer (``None``: it has none)."""
+        optimizer = self.optimizer(key)
+        return None if optimizer is None else OptimizerSpec.of(optimizer)
+
+    def set_hyperparameters(self, key: str, hyperparameters: Mapping[str, Any]) -> None:
+        """Set hyperparameters (``lr``, ...) on ``key``'s param group; all checked first."""
+        optimizer = self.optimizer(key)
+        if optimizer is None:
+            raise ValueError(
+                f"{key!r} has no optimizer on this server to set {dict(hyperparameters)} on"
+            )
+        group = optimizer.param_groups[0]
+        unknown = sorted(set(hyperparameters) - set(group) - {"params"})
+        if unknown or "params" in hyperparameters:
+            has = ", ".join(k for k in group if k != "params")
+            raise ValueError(
+                f"{type(optimizer).__name__} of {key!r} has no hyperparameter(s) "
+                f"{', '.join(unknown or ['params'])}; it has {has}"
+            )
+        group.update({k: _hyper_value(v) for k, v in hyperparameters.items()})
+
+    def apply(
+        self, key: str, grad: torch.Tensor, hyperparameters: Mapping[str, Any] | None = None
+    ) -> None:
+        """One update of ``key`` with ``grad`` (already summed over replicas), after
+        setting ``hyperparameters`` on its optimizer."""
         value = self.value(key)
+        if hyperparameters:
+            self.set_hyperparameters(key, hyperparameters)
         optimizer = self._optimizers.get(key)
         with torch.no_grad():
             if optimizer is None:
@@ -116,6 +236,7 @@ class ParameterStore:
         return {
             "values": {k: v.detach().clone() for k, v in self._values.items()},
             "optimizers": {k: copy.deepcopy(o.state_dict()) for k, o in self._optimizers.items()},
+            "specs": {k: None if s is None else s.to_dict() for k, s in self._specs.items()},
             "steps": dict(self._steps),
         }
 
@@ -130,17 +251,27 @@ class ParameterStore:
         for key, v in values.items():
             if key in self._values:
                 check_like(key, self._values[key], v)
+        specs = {
+            k: None if d is None else OptimizerSpec.from_dict(d)
+            for k, d in state.get("specs", {}).items()
+        }
         for key in optimizers:
             if key not in values:
                 raise ValueError(f"optimizer state for {key!r} has no value in the checkpoint")
-        if optimizers and self._factory is None:
-            raise ValueError("the checkpoint holds optimizer state but this store has none")
+            if key in self._values:
+                has = key in self._optimizers
+            else:
+                has = self._factory_for(key, specs.get(key)) is not None
+            if not has:
+                raise ValueError(
+                    f"the checkpoint holds optimizer state for {key!r}, which has none here"
+                )
         for key, v in values.items():
             if key in self._values:
                 with torch.no_grad():
                     self._values[key].copy_(v)
             else:
-                self.init(key, v)
+                self.init(key, v, optimizer=specs.get(key))
             if key in optimizers:
                 self._optimizers[key].load_state_dict(copy.deepcopy(optimizers[key]))
             self._steps[key] = int(state.get("steps", {}).get(key, 0))
