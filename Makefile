@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test check install bench clean
+.PHONY: demo test check install bench bench-net clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,9 @@ test: check
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/coordinator.py
+
+bench-net: $(STAMP)  # needs root: emulated hosts in network namespaces
+	$(BIN)/python benchmarks/network.py
 
 clean:
 	rm -rf $(VENV) build dist .pytest_cache .mypy_cache .ruff_cache
