@@ -96,11 +96,12 @@ class TinyTransformer(nn.Module):
         return out
 
 
-def make_batch(name: str, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def make_batch(name: str, rank: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``batch`` samples (MLP) or sequences of 64 tokens (transformer) for ``rank``."""
     g = torch.Generator().manual_seed(1000 + rank)
     if name == "mlp":
-        return torch.randn(64, 784, generator=g), torch.randint(0, 10, (64,), generator=g)
-    tokens = torch.randint(0, TinyTransformer.vocab, (8, TinyTransformer.seq + 1), generator=g)
+        return torch.randn(batch, 784, generator=g), torch.randint(0, 10, (batch,), generator=g)
+    tokens = torch.randint(0, TinyTransformer.vocab, (batch, TinyTransformer.seq + 1), generator=g)
     return tokens[:, :-1], tokens[:, 1:]
 
 
@@ -111,13 +112,14 @@ def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------ one rank
 def contenders(
-    name: str, runtime: Any, server: str, secret: bytes, world: int, only: set[str]
+    name: str, runtime: Any, server: str, secret: bytes, batch: int, only: set[str]
 ) -> tuple[dict[str, Callable[[], None]], list[Any]]:
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
     from gradhub.train.strategies import make_strategy
 
-    x, y = make_batch(name, runtime.rank)
+    x, y = make_batch(name, runtime.rank, batch)
+    world = runtime.world_size
     steps: dict[str, Callable[[], None]] = {}
     closers: list[Any] = []
 
@@ -148,7 +150,10 @@ def contenders(
     options: dict[str, dict[str, Any]] = {
         "gradhub allreduce fp32": {},
         "gradhub allreduce bf16": {"compress": "bf16"},
-        "gradhub allreduce powersgd": {"compress": "powersgd", "rank": POWERSGD_RANK},
+        "gradhub allreduce powersgd": {
+            "compress": "powersgd",
+            "compress_options": {"rank": POWERSGD_RANK},
+        },
         "gradhub sharded bf16": {"compress": "bf16"},
         "gradhub ps-async": {"servers": [server], "secret": secret},
     }
@@ -184,9 +189,8 @@ def worker(args: argparse.Namespace) -> None:
     secret = Path(args.secret_file).read_bytes().strip()
     with gradhub.init(timeout=600) as runtime:
         only = set(args.only.split(",")) if args.only else set(CONTENDERS)
-        fns, closers = contenders(
-            args.model, runtime, args.server, secret, runtime.world_size, only
-        )
+        batch = args.batch if args.model == "mlp" else args.seqs
+        fns, closers = contenders(args.model, runtime, args.server, secret, batch, only)
         for fn in fns.values():  # warm-up: allocations, gloo pairs, PowerSGD's first steps
             for _ in range(3):
                 fn()
@@ -224,6 +228,8 @@ def run_one(
     secret: Path,
     tmp: Path,
     only: str,
+    batch: int,
+    seqs: int,
 ) -> dict[str, Any]:
     hosts = cluster.hosts[:2]
     server_host = cluster.hosts[2]
@@ -240,6 +246,9 @@ def run_one(
     result = tmp / f"result-{model}.json"
     procs = []
     port = 29500
+    worker_args = ["--model", model, "--rounds", str(rounds), "--steps", str(steps),
+                   "--server", server_addr, "--secret-file", str(secret), "--result", str(result),
+                   "--only", only, "--batch", str(batch), "--seqs", str(seqs)]  # fmt: skip
     try:
         for rank in range(world):
             host = hosts[rank // per_host]
@@ -256,23 +265,7 @@ def run_one(
             procs.append(
                 cluster.popen(
                     host,
-                    [
-                        sys.executable,
-                        __file__,
-                        "--worker",
-                        "--model",
-                        model,
-                        "--rounds",
-                        str(rounds),
-                        "--steps",
-                        str(steps),
-                        "--server",
-                        server_addr,
-                        "--secret-file",
-                        str(secret),
-                        "--result",
-                        str(result),
-                    ],
+                    [sys.executable, __file__, "--worker", *worker_args],
                     env=env,
                     stdout=out,
                     stderr=subprocess.STDOUT,
@@ -339,6 +332,8 @@ def main() -> None:
     p.add_argument("--layouts", default="2x1", help="comma-separated HOSTSxRANKS, e.g. 2x1,2x2")
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--only", help="comma-separated contenders to run (default: all)")
+    p.add_argument("--batch", type=int, default=64, help="MLP samples per rank and step")
+    p.add_argument("--seqs", type=int, default=8, help="transformer sequences per rank and step")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=3, help="timed steps per round")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
@@ -379,6 +374,8 @@ def main() -> None:
                             secret,
                             tmp,
                             args.only or ",".join(CONTENDERS),
+                            args.batch,
+                            args.seqs,
                         )
                         rows += summarise(report, rate, layout, model)
                         print(markdown(rows[-len(report["times"]) :]), flush=True)
@@ -388,6 +385,8 @@ def main() -> None:
         "torch": torch.__version__,
         "rounds": args.rounds,
         "steps_per_round": args.steps,
+        "mlp_samples_per_rank": args.batch,
+        "transformer_sequences_per_rank": args.seqs,
         "note": "emulated hosts (network namespaces, tbf) on one 2-core machine that other "
         "work was loading; ranks of both hosts share its cores",
     }

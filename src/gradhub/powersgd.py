@@ -262,13 +262,16 @@ class PowerSGD:
             at += m.cols * m.rank
         self._all_reduce(second, "powersgd all_reduce of Q")
 
-        # Result P Q^T; the error is what this rank's M loses in it.
+        # Result P Q^T, written over M (no temporary the size of the bucket);
+        # the error is what this rank's M loses in it.
         for m, mat, p, q in zip(state.matrices, ms, ps, qs, strict=True):
-            approx = torch.matmul(p, q.t())
             if state.error is not None:
                 err = state.error[m.offset : m.offset + m.rows * m.cols].view(m.rows, m.cols)
-                torch.sub(mat, approx, out=err)
-            mat.copy_(approx)
+                err.copy_(mat)
+                torch.mm(p, q.t(), out=mat)
+                err.sub_(mat)
+            else:
+                torch.mm(p, q.t(), out=mat)
         state.qs = [q.clone() for q in qs]
 
     def _all_reduce(self, tensor: torch.Tensor, operation: str) -> None:
