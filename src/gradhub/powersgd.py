@@ -200,7 +200,7 @@ class PowerSGD:
 
     def _initial_q(self, state: _BucketState, index: int) -> list[torch.Tensor]:
         g = torch.Generator().manual_seed(self.config.seed * 1_000_003 + index)
-        return [torch.randn(m.cols, m.rank, generator=g) for m in state.matrices]
+        return [torch.randn(m.rank, m.cols, generator=g) for m in state.matrices]
 
     def state_dict(self) -> dict[int, Any]:
         """Error feedback and warm-start matrices per bucket (this rank's)."""
@@ -238,7 +238,7 @@ class PowerSGD:
         ps, at = [], 0
         for m, mat, q in zip(state.matrices, ms, state.qs, strict=True):
             p = first[at : at + m.rows * m.rank].view(m.rows, m.rank)
-            torch.matmul(mat, q, out=p)
+            torch.mm(mat, q.t(), out=p)
             ps.append(p)
             at += m.rows * m.rank
         for off, n in state.exact:
@@ -250,14 +250,15 @@ class PowerSGD:
             bucket[off : off + n].copy_(first[at : at + n])
             at += n
 
-        # Second all-reduce: Q = M^T orthonormal(P).
+        # Second all-reduce: Q = M^T orthonormal(P), kept transposed (r x m):
+        # P^T M reads M row by row, several times faster than M^T P.
         q_size = sum(m.cols * m.rank for m in state.matrices)
         second = torch.empty(q_size, dtype=bucket.dtype, device=bucket.device)
         qs, at = [], 0
         for m, mat, p in zip(state.matrices, ms, ps, strict=True):
             orthonormalize_(p)
-            q = second[at : at + m.cols * m.rank].view(m.cols, m.rank)
-            torch.matmul(mat.t(), p, out=q)
+            q = second[at : at + m.cols * m.rank].view(m.rank, m.cols)
+            torch.mm(p.t(), mat, out=q)
             qs.append(q)
             at += m.cols * m.rank
         self._all_reduce(second, "powersgd all_reduce of Q")
@@ -268,10 +269,10 @@ class PowerSGD:
             if state.error is not None:
                 err = state.error[m.offset : m.offset + m.rows * m.cols].view(m.rows, m.cols)
                 err.copy_(mat)
-                torch.mm(p, q.t(), out=mat)
+                torch.mm(p, q, out=mat)
                 err.sub_(mat)
             else:
-                torch.mm(p, q.t(), out=mat)
+                torch.mm(p, q, out=mat)
         state.qs = [q.clone() for q in qs]
 
     def _all_reduce(self, tensor: torch.Tensor, operation: str) -> None:
