@@ -173,6 +173,10 @@ class Channel:
                 return True
         return any(s.inflight or s.queue for s in self._servers)
 
+    def unsaved(self) -> list[int]:
+        """The servers holding pushes they acknowledged but have not yet put on disk."""
+        return [i for i, s in enumerate(self._servers) if s.retained]
+
     def close(self) -> None:
         """Stop the I/O thread (pending futures fail with ``ClosedError``) and the sockets."""
         with self._lock:
@@ -322,6 +326,8 @@ class Channel:
             return
         if req.op in _MUTATING:
             self._retain(s, req, h.aux)
+        elif req.op == Op.FLUSH:
+            self._prune(s, h.aux)
         try:
             if req.on_reply is not None:
                 req.on_reply(msg)
@@ -332,9 +338,12 @@ class Channel:
         if future is not None and not future.done():
             future.set_result(None)
 
-    def _retain(self, s: _Server, req: Request, durable: int) -> None:
+    def _prune(self, s: _Server, durable: int) -> None:
         for seq in [q for q in s.retained if q <= durable]:
             del s.retained[seq]
+
+    def _retain(self, s: _Server, req: Request, durable: int) -> None:
+        self._prune(s, durable)
         if req.seq > durable:
             if not req.owned and req.payload is not None:
                 req.payload, req.owned = req.payload.clone(), True
@@ -348,8 +357,7 @@ class Channel:
         s.hello = None
         if not restarted:
             return
-        for seq in [q for q in s.retained if q <= h.aux]:
-            del s.retained[seq]
+        self._prune(s, h.aux)
         log.warning(
             "parameter server %s restarted; resending %d unsaved push(es) and %d in flight",
             s.address,

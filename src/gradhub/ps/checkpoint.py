@@ -3,7 +3,9 @@
 :func:`save` writes to a temporary file in the target directory, flushes and
 ``fsync``s it, renames it over the target (atomic on POSIX) and ``fsync``s the
 directory, so a crash leaves either the old checkpoint or the new one, never
-a torn file. :func:`load` reads with ``torch.load(weights_only=True)``: a
+a torn file. A write killed half-way leaves its temporary file behind;
+:func:`remove_temporary` (called when a server starts) deletes those of one
+checkpoint. :func:`load` reads with ``torch.load(weights_only=True)``: a
 checkpoint holds tensors and plain containers only, never pickled code.
 """
 
@@ -21,6 +23,18 @@ from gradhub._atomic import atomic_torch_save
 def save(state: dict[str, Any], path: str | os.PathLike[str]) -> None:
     """Write ``state`` to ``path`` atomically."""
     atomic_torch_save(state, path)
+
+
+def remove_temporary(path: str | os.PathLike[str]) -> list[Path]:
+    """Delete the temporary files that killed writes of ``path`` left; returns them."""
+    target = Path(path)
+    if not target.parent.is_dir():
+        return []
+    removed = []
+    for tmp in target.parent.glob(f".{target.name}.*.tmp"):
+        tmp.unlink(missing_ok=True)
+        removed.append(tmp)
+    return removed
 
 
 def load(path: str | os.PathLike[str]) -> dict[str, Any] | None:

@@ -116,6 +116,15 @@ class ServerConfig:
     checkpoint_dir: str | None = None
     """Directory for checkpoints; the server resumes from its file there."""
 
+    durable: bool = False
+    """Acknowledge an init or push only once it is on disk: a write-ahead log in the
+    checkpoint directory, fsync'd once per batch of requests (group commit) before
+    their acknowledgements. Needs checkpoint_dir.
+
+    Without it, an acknowledged push reaches disk with the next checkpoint, and
+    the client keeps it until then (``RemoteParameterServer.flush``, called by
+    ``close()``, asks for that checkpoint at once)."""
+
     checkpoint_every: float = 60.0
     """Seconds between checkpoints (when something changed); one more on shutdown."""
 
@@ -158,6 +167,8 @@ class ServerConfig:
             raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
         if self.max_staleness and self.mode != "ssp":
             raise ValueError("max_staleness applies to mode='ssp' only")
+        if self.durable and self.checkpoint_dir is None:
+            raise ValueError("durable needs a checkpoint_dir (--checkpoint-dir) for its log")
         if not self.checkpoint_every > 0:
             raise ValueError(f"checkpoint_every must be positive, got {self.checkpoint_every}")
         if not self.heartbeat_timeout > 0:

@@ -9,7 +9,9 @@ sequence number up to it was applied) and the set of applied numbers above
 it, which stays small.
 
 A retried request whose number was applied is acknowledged again without
-being applied again. The ledger is part of a server checkpoint.
+being applied again. A request refused (bad shape, unknown key, ...) is
+*settled* too, so the watermark passes it, but not applied: a retry of it is
+checked and refused again. The ledger is part of a server checkpoint.
 """
 
 from __future__ import annotations
@@ -23,13 +25,16 @@ class _Session:
     session: int
     low: int = 0
     above: set[int] = field(default_factory=set)
+    refused: set[int] = field(default_factory=set)
 
     def applied(self, seq: int) -> bool:
-        return seq <= self.low or seq in self.above
+        return (seq <= self.low or seq in self.above) and seq not in self.refused
 
-    def mark(self, seq: int) -> None:
-        if seq <= self.low:
+    def mark(self, seq: int, *, refused: bool = False) -> None:
+        if seq <= self.low or seq in self.above:
             return
+        if refused:
+            self.refused.add(seq)
         self.above.add(seq)
         while self.low + 1 in self.above:
             self.low += 1
@@ -53,8 +58,9 @@ class Ledger:
         s = self._sessions.get(worker)
         return s is not None and s.session == session and s.applied(seq)
 
-    def mark(self, worker: int, session: int, seq: int) -> None:
-        self._get(worker, session).mark(seq)
+    def mark(self, worker: int, session: int, seq: int, *, refused: bool = False) -> None:
+        """Record ``seq`` as applied (or ``refused``: settled, not applied)."""
+        self._get(worker, session).mark(seq, refused=refused)
 
     def low(self, worker: int, session: int) -> int:
         """Every sequence number up to this one was applied (0: none known)."""
@@ -65,10 +71,18 @@ class Ledger:
         return {w: (s.session, s.low) for w, s in self._sessions.items()}
 
     def state_dict(self) -> dict[int, Any]:
-        return {w: (s.session, s.low, sorted(s.above)) for w, s in self._sessions.items()}
+        return {
+            w: (s.session, s.low, sorted(s.above), sorted(s.refused))
+            for w, s in self._sessions.items()
+        }
 
     def load_state_dict(self, state: dict[Any, Any]) -> None:
         self._sessions = {
-            int(w): _Session(int(sess), int(low), {int(x) for x in above})
-            for w, (sess, low, above) in state.items()
+            int(w): _Session(
+                int(v[0]),
+                int(v[1]),
+                {int(x) for x in v[2]},
+                {int(x) for x in v[3]} if len(v) > 3 else set(),
+            )
+            for w, v in state.items()
         }

@@ -17,6 +17,7 @@ replica, no codec): do not modify it until the future is done.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -27,7 +28,12 @@ from typing import Any
 import torch
 
 from gradhub import codecs
-from gradhub.errors import ClosedError, DtypeMismatchError, ShapeMismatchError
+from gradhub.errors import (
+    ClosedError,
+    DtypeMismatchError,
+    ServerTimeoutError,
+    ShapeMismatchError,
+)
 from gradhub.optim import OptimizerSpec
 from gradhub.ps.base import ParameterServer, Replicas, as_replicas
 from gradhub.ps.channel import Channel, Request
@@ -199,15 +205,48 @@ class RemoteParameterServer(ParameterServer):
         for f in futures:
             f.result()
 
+    def flush(self, timeout: float | None = None) -> None:
+        """Return once every server holds everything it acknowledged to this client on disk.
+
+        Waits for the requests in flight, then asks each server that still has
+        acknowledged pushes of this client not on disk to write a checkpoint
+        (a ``durable`` server has them on disk already, and one without a
+        checkpoint directory keeps nothing across restarts: neither is asked).
+        The client keeps those pushes, to replay them to a restarted server,
+        until then. ``ServerTimeoutError`` past ``timeout`` (default: the
+        client's ``timeout``) names the servers that did not confirm.
+        """
+        self._check_open()
+        self._flush(time.monotonic() + (self.timeout if timeout is None else timeout))
+
+    def _flush(self, deadline: float) -> None:
+        while self._channel.busy() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        waiting = [self._submit(Op.FLUSH, "", "", i) for i in self._channel.unsaved()]
+        for future in waiting:
+            with contextlib.suppress(Exception):
+                future.result(max(0.0, deadline - time.monotonic()))
+        missing = [self.addresses[i] for i in self._channel.unsaved()]
+        if missing:
+            raise ServerTimeoutError(
+                ", ".join(missing),
+                None,
+                "flush",
+                self.timeout,
+                "acknowledged pushes of this client are not on disk there yet",
+            )
+
     def close(self, timeout: float | None = 10.0) -> None:
-        """Wait (up to ``timeout``) for requests in flight, then stop; idempotent."""
+        """Flush (up to ``timeout``: requests in flight answered, acknowledged pushes
+        on disk), then stop; idempotent. A server that did not confirm is named
+        in a ``ServerTimeoutError``, raised after everything was released."""
         if self._closed:
             return
-        self._closed = True
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        while time.monotonic() < deadline and self._channel.busy():
-            time.sleep(0.005)
-        self._channel.close()
+        try:
+            self._flush(time.monotonic() + (self.timeout if timeout is None else timeout))
+        finally:
+            self._closed = True
+            self._channel.close()
 
     def __enter__(self) -> RemoteParameterServer:
         return self

@@ -13,17 +13,26 @@ Decisions:
   so a pull sees its client's earlier pushes.
 - Exactly once: see :mod:`gradhub.ps.dedupe`. Every push reply carries, in
   ``aux``, the worker's *durable* low watermark: the sequence numbers up to it
-  are in the last checkpoint (or, without checkpoints, applied). A client
-  keeps pushes above it and replays them to a restarted server, so no
-  acknowledged push is lost when a server dies between checkpoints.
+  are on disk (in the last checkpoint, or in the synced write-ahead log of a
+  ``durable`` server; without a checkpoint directory: applied). A client keeps
+  pushes above it and replays them to a restarted server, so no acknowledged
+  push is lost when a server dies between checkpoints; a ``FLUSH`` request
+  writes a checkpoint at once (after the requests queued before it), so a
+  client can stop keeping them (``RemoteParameterServer.flush``).
+- Durable servers (:mod:`gradhub.ps.wal`): applied inits and pushes are logged
+  and their acknowledgements held until the log is synced, once per batch of
+  requests drained from the socket (group commit).
 - Every reply carries the server's *incarnation* (random per start); a data
   request naming another incarnation is answered ``STALE_INCARNATION`` so the
   client says hello again and replays before anything else is served.
 - Pull replies send a snapshot of the value, shared by every pull until the
   next update: ZeroMQ sends from that memory after the loop moved on, so the
   live value (updated in place) is never handed to it.
-- Sync pushes are acknowledged once they joined their round; the pull waits
-  for the round.
+- Sync pushes are acknowledged once they joined their round (the round keeps
+  the push also when its worker is dropped later: the round's sum is applied
+  once the remaining live workers pushed); the pull waits for the round.
+- A worker joins the sync/ssp accounting with its first *valid* push: a push
+  refused by validation (unknown key, shape) does not make it a member.
 - Dropped and counted, never answered: malformed, unauthenticated, oversized
   and unknown-op messages.
 """
@@ -49,12 +58,13 @@ from gradhub.errors import (
     UnknownOpError,
 )
 from gradhub.optim import OptimizerSpec
-from gradhub.ps import checkpoint, protocol, status
+from gradhub.ps import protocol, status
 from gradhub.ps.base import check_like
 from gradhub.ps.config import DEFAULT_OPTIMIZER, NO_OPTIMIZER, ServerConfig
 from gradhub.ps.consistency import Consistency
 from gradhub.ps.dedupe import Ledger
 from gradhub.ps.lanes import PriorityLanes
+from gradhub.ps.persist import Persistence
 from gradhub.ps.protocol import Message, Op, Status
 from gradhub.ps.store import ParameterStore, describe
 
@@ -118,9 +128,11 @@ class Server:
         self._dirty = False
         self._stop = threading.Event()
         self._closed = False
-        path = config.checkpoint_path
-        if path is not None:
-            self._restore(path)
+        self._flushes: list[Message] = []
+        self._held: list[list[Any]] = []  # replies waiting for the log's sync
+        self._replaying = False
+        self.persist = Persistence(config)
+        self._restore()
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.linger = 0
@@ -162,11 +174,12 @@ class Server:
                 if poller.poll(_POLL_MS):
                     self._drain()
                     self._run_queue()
+                    self._commit()
                 now = time.monotonic()
                 if now >= next_hb:
                     next_hb = now + hb_every
                     self._expire()
-                if now >= next_ckpt:
+                if now >= next_ckpt or self.persist.log_full:
                     next_ckpt = now + self.config.checkpoint_every
                     self.checkpoint()
         finally:
@@ -180,6 +193,7 @@ class Server:
         try:
             self.checkpoint()
         finally:
+            self.persist.close()
             self._sock.close(0)
             self._ctx.term()
             log.info("parameter server on %s closed", self.address)
@@ -187,8 +201,7 @@ class Server:
     # ------------------------------------------------------------- checkpoints
     def checkpoint(self) -> None:
         """Write values, optimizer state, accounting and applied sequence numbers."""
-        path = self.config.checkpoint_path
-        if path is None or not self._dirty:
+        if not self.persist.enabled or not self._dirty:
             return
         state = {
             "format": 1,
@@ -197,32 +210,52 @@ class Server:
             "ledger": self.ledger.state_dict(),
             "consistency": self.consistency.state_dict(),
         }
-        checkpoint.save(state, path)
+        self.persist.save(state)
         self._durable = self.ledger.lows()
         self._dirty = False
         self.counters["checkpoints"] += 1
-        log.debug("checkpoint written to %s", path)
+        log.debug("checkpoint written to %s", self.persist.path)
 
-    def _restore(self, path: Any) -> None:
-        state = checkpoint.load(path)
-        if state is None:
-            return
-        if state.get("mode") != self.config.mode:
-            raise ValueError(
-                f"checkpoint {path} was written in mode {state.get('mode')!r}, "
-                f"this server runs {self.config.mode!r}; use another --checkpoint-dir"
-            )
-        self.store.load_state_dict(state["store"])
-        self.ledger.load_state_dict(state["ledger"])
-        self.consistency.load_state_dict(state["consistency"])
-        self._durable = self.ledger.lows()
-        log.info("resumed %d key(s) from checkpoint %s", len(self.store), path)
+    def _restore(self) -> None:
+        state, logged = self.persist.start()
+        if state is not None:
+            self.store.load_state_dict(state["store"])
+            self.ledger.load_state_dict(state["ledger"])
+            self.consistency.load_state_dict(state["consistency"])
+            self._durable = self.ledger.lows()
+            log.info("resumed %d key(s) from checkpoint %s", len(self.store), self.persist.path)
+        if logged:
+            self._replaying = True
+            try:
+                for msg in logged:
+                    msg.routing = [b""]
+                    h = msg.header
+                    if h.status == Status.OK:
+                        self._execute(msg)
+                    else:  # a request that was refused
+                        self.ledger.mark(h.worker_id, h.session, h.seq, refused=True)
+            finally:
+                self._replaying = False
+            log.info("replayed %d logged request(s)", len(logged))
+            self.checkpoint()
 
     def _durable_low(self, worker: int, session: int) -> int:
-        if self.config.checkpoint_path is None:
+        if not self.persist.enabled or self.persist.durable:
             return self.ledger.low(worker, session)
         sess, low = self._durable.get(worker, (0, 0))
         return low if sess == session else 0
+
+    def _commit(self) -> None:
+        """Answer flushes and held acknowledgements once what they cover is on disk."""
+        if self._flushes and not self.persist.durable:
+            self.checkpoint()
+        self.persist.commit()
+        flushes, self._flushes = self._flushes, []
+        for msg in flushes:
+            self._reply(msg, aux=self._durable_low(msg.header.worker_id, msg.header.session))
+        held, self._held = self._held, []
+        for frames in held:
+            self._send(frames)
 
     # ---------------------------------------------------------------- receive
     def _drain(self) -> None:
@@ -250,13 +283,15 @@ class Server:
             return
         msg.routing = [routing]
         h = msg.header
-        self.consistency.seen(h.worker_id, pushing=h.op == Op.PUSH)
-        if h.op in _DATA_OPS:
+        self.consistency.seen(h.worker_id)  # liveness; membership comes with a valid push
+        if h.op in _DATA_OPS or h.op == Op.FLUSH:
             if h.incarnation != self.incarnation:
                 self.counters["stale_incarnation"] += 1
                 self._reply(msg, Status.STALE_INCARNATION, b"server restarted; say hello again")
-                return
-            self._queue.push((routing, msg.key), msg, h.priority)
+            elif h.op == Op.FLUSH:
+                self._flushes.append(msg)  # answered after the queued requests ran
+            else:
+                self._queue.push((routing, msg.key), msg, h.priority)
         elif h.op == Op.HELLO:
             self._reply(msg, aux=self.ledger.low(h.worker_id, h.session))
         elif h.op == Op.HEARTBEAT:
@@ -308,6 +343,11 @@ class Server:
             code = status.status_of(exc)
             if code == Status.INTERNAL:
                 log.exception("%s of key %r failed", op.name, msg.key)
+            if op != Op.PULL:  # settled: the durable watermark passes it
+                h = msg.header
+                self.ledger.mark(h.worker_id, h.session, h.seq, refused=True)
+                self.persist.log(msg, refused=True)
+                self._dirty = True
             self._error(msg, code, exc)
 
     def _error(self, msg: Message, code: Status, exc: BaseException) -> None:
@@ -320,6 +360,7 @@ class Server:
             spec = msg.meta_json().get("optimizer")
             optimizer = None if spec is None else OptimizerSpec.from_dict(spec)
             self.store.init(msg.key, msg.tensor(), optimizer=optimizer)
+            self.persist.log(msg)
             self.ledger.mark(h.worker_id, h.session, h.seq)
             self._dirty = True
             self.counters["init"] += 1
@@ -339,8 +380,10 @@ class Server:
         hyper = msg.meta_json().get("hyperparameters")
         if hyper:
             self.store.set_hyperparameters(msg.key, hyper)
+        self.consistency.seen(h.worker_id, pushing=True)  # valid: a member from now on
         for total in self.consistency.push(h.worker_id, msg.key, grad):
             self._apply(msg.key, total)
+        self.persist.log(msg)
         self.ledger.mark(h.worker_id, h.session, h.seq)
         self._dirty = True
         self.counters["push_applied"] += 1
@@ -406,12 +449,23 @@ class Server:
         *,
         aux: int = 0,
     ) -> None:
+        if self._replaying:
+            return
         header = protocol.reply(msg.header, incarnation=self.incarnation, status=status, aux=aux)
-        frames = protocol.encode(header, msg.key, payload, secret=self.config.secret)
+        frames = [
+            *msg.routing,
+            *protocol.encode(header, msg.key, payload, secret=self.config.secret),
+        ]
+        if self.persist.durable and status == Status.OK and header.op in (Op.INIT, Op.PUSH):
+            self._held.append(frames)  # sent by _commit, once the log is synced
+        else:
+            self._send(frames)
+
+    def _send(self, frames: list[Any]) -> None:
         try:
-            self._sock.send_multipart([*msg.routing, *frames], copy=False)
+            self._sock.send_multipart(frames, copy=False)
         except zmq.ZMQError as exc:  # the peer went away; its retry will find us
-            log.debug("reply to worker %d lost: %s", msg.header.worker_id, exc)
+            log.debug("reply lost: %s", exc)
             return
         self.counters["replied"] += 1
 
