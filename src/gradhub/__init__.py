@@ -14,8 +14,10 @@ from gradhub.errors import (
     DuplicateParameterError,
     GradhubError,
     GradhubTimeoutError,
+    MisuseError,
     NonFiniteError,
     ProtocolError,
+    ReplicasDivergedError,
     ServerTimeoutError,
     ShapeMismatchError,
     StateError,
@@ -28,8 +30,11 @@ from gradhub.ps.config import ServerConfig
 from gradhub.ps.launch import ServerHandle, start_server
 from gradhub.ps.local import LocalParameterServer
 from gradhub.ps.remote import RemoteParameterServer
+from gradhub.train.distributed_optimizer import DistributedOptimizer
+from gradhub.train.prepare import check_in_sync, clip_grad_norm_, prepare
 from gradhub.train.runtime import Runtime, init
 from gradhub.train.trainer import DataParallelTrainer, FitConfig, FitResult
+from gradhub.train.wrapped_model import PreparedModel
 
 __all__ = [
     "AllReduceParameter",
@@ -38,17 +43,21 @@ __all__ = [
     "CollectiveTimeoutError",
     "DataParallelTrainer",
     "DistributedGradientsCoordinator",
+    "DistributedOptimizer",
     "DuplicateParameterError",
     "FitConfig",
     "FitResult",
     "GradhubError",
     "GradhubTimeoutError",
     "LocalParameterServer",
+    "MisuseError",
     "ModelUpdate",
     "NonFiniteError",
     "ParameterServer",
+    "PreparedModel",
     "ProtocolError",
     "RemoteParameterServer",
+    "ReplicasDivergedError",
     "Runtime",
     "ServerConfig",
     "ServerHandle",
@@ -60,10 +69,13 @@ __all__ = [
     "WorkerFailedError",
     "WorkerUpdate",
     "__version__",
+    "check_in_sync",
+    "clip_grad_norm_",
     "codecs",
     "init",
     "merge_worker_updates",
     "partition",
+    "prepare",
     "split_batch",
     "start_server",
     "trees",

@@ -139,3 +139,24 @@ class ServerUnavailableError(GradhubTimeoutError):
 
 class WorkerFailedError(GradhubError, RuntimeError):
     """Another process of the job died or failed; names which."""
+
+
+class MisuseError(StateError):
+    """A training loop did something that would let the replicas diverge (stepping
+    the optimizer handed to ``gradhub.prepare``, a second backward before ``step``
+    outside ``no_sync()``); the message says what to do instead."""
+
+
+class ReplicasDivergedError(GradhubError, RuntimeError):
+    """``gradhub.check_in_sync`` found ranks whose parameters differ from rank 0's.
+
+    ``ranks`` lists them."""
+
+    def __init__(self, ranks: Sequence[int], detail: str = ""):
+        self.ranks = list(ranks)
+        names = ", ".join(str(r) for r in self.ranks)
+        super().__init__(
+            f"the parameters of rank(s) {names} differ from rank 0's{detail}\n"
+            "- help: every rank must step the optimizer gradhub.prepare returned, the "
+            "same number of times; check what these ranks did differently"
+        )

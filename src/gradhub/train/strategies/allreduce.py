@@ -1,29 +1,34 @@
-"""``allreduce``: synchronous data parallelism, gradients weighted by samples.
+"""``allreduce``: synchronous data parallelism, every rank steps its own optimizer.
 
-Each rank scales its mean-loss gradient by its share of the global batch
-(``samples / global_samples``) and the ranks all-reduce (sum) those, together
-with the sample counts: the result is the gradient of the mean loss over the
-whole global batch, exact for uneven per-rank batches (averaging by world
-size, as DDP does, is not). The summed sample count checks the weights; if
-the ranks' ``global_samples`` disagreed with it, the sum is rescaled to the
-true count, so the result is always sum(n_i * g_i) / sum(n_i).
+The user's optimizer runs on every rank over gradients that are the same bits
+everywhere, so the replicas stay equal. Gradients are combined during
+backward, as DDP does:
 
-Speed:
-- Gradients go into flat buckets of about ``bucket_mb`` megabytes, filled in
-  the order backward produces them (parameters in reverse registration order).
-- A post-accumulate-grad hook per parameter writes its scaled gradient into
-  its bucket slot; when a bucket is full its asynchronous ``all_reduce`` is
-  launched at once, so communication overlaps the rest of backward.
-- Buckets are launched strictly in index order on every rank, so collectives
-  always match even if backward order differs between ranks.
-- The sample count rides as one extra element in the first bucket: no extra
-  collective. Scaling happens while copying into the bucket, so no pass over
-  the gradients is left after the reduction, and each parameter's ``.grad``
-  then *is* a view of its bucket slot (no copy back).
+- Gradients go into flat fp32 buckets of about ``bucket_mb`` megabytes, filled
+  in the order backward produces them (parameters in reverse registration
+  order). A post-accumulate-grad hook per parameter writes its gradient,
+  multiplied by this rank's weight, into its bucket slot; when a bucket is
+  full its reduction starts at once, so communication overlaps the rest of
+  backward. Buckets start strictly in index order on every rank, so the
+  collectives always match even if backward order differs between ranks.
+- When backward ends, every bucket is waited for and each parameter's
+  ``.grad`` becomes a view of its bucket slot (no copy back): after
+  ``loss.backward()`` the gradients are combined, so clipping them with
+  ``torch.nn.utils.clip_grad_norm_`` clips by the global norm.
+- Weights: by default ``1 / world_size`` (DDP's mean of the ranks' means,
+  bit-identical to DDP). After ``model.set_samples(n, global_n)`` the weight
+  is ``n / global_n``: the step equals the single-process step on the global
+  batch, exact for uneven batches. With ``set_samples(n)`` alone, the
+  gradients are multiplied by ``n`` and the sum divided by the summed count.
+  The count rides as one extra element of bucket 0 (no extra collective).
+- ``compress=`` picks the bucket reducer (:mod:`gradhub.train.reducers`):
+  ``"none"``, ``"fp16"``, ``"bf16"``, or one registered there. A reducer with
+  ``launch`` is started from the hooks; one with only ``reduce`` runs on one
+  communication thread, buckets in order.
 
 Decisions:
 - A parameter that received no gradient on a rank contributes zeros from that
-  rank; it is updated like every other parameter (with the averaged gradient,
+  rank; it is updated like every other parameter (with the combined gradient,
   zero if no rank used it).
 - Buffers (e.g. batch-norm statistics) are broadcast from rank 0 at set-up,
   not on every step.
@@ -31,13 +36,15 @@ Decisions:
 
 from __future__ import annotations
 
+import concurrent.futures
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from gradhub.train.strategies.base import Closure, Strategy
+from gradhub.train import reducers
+from gradhub.train.strategies.base import Strategy
 
 
 @dataclass(kw_only=True)
@@ -47,11 +54,17 @@ class AllReduceConfig:
     bucket_mb: float = 25.0
     """Target bucket size in megabytes (fp32): fewer, larger messages vs. earlier overlap."""
     overlap: bool = True
-    """Launch each bucket's all-reduce from backward hooks as soon as it is full."""
+    """Start each bucket's reduction from backward hooks as soon as it is full."""
+    compress: str = "none"
+    """Bucket reducer: ``"none"``, ``"fp16"``, ``"bf16"`` or one registered in
+    :mod:`gradhub.train.reducers`; every rank ends with the same bits."""
+    compress_options: dict[str, Any] = field(default_factory=dict)
+    """Keyword options of the reducer (e.g. PowerSGD's ``rank``)."""
 
     def __post_init__(self) -> None:
         if not self.bucket_mb > 0:
             raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")
+        reducers.check_name(self.compress)
 
 
 @dataclass
@@ -59,13 +72,29 @@ class _Bucket:
     params: list[torch.nn.Parameter]
     offsets: list[int]
     buffer: torch.Tensor
+    shapes: list[torch.Size]
     ready: int = 0
     work: Any = None
     filled: set[int] = field(default_factory=set)
 
 
+class _FutureWork:
+    """A reduction running on the communication thread, waited like a c10d Work."""
+
+    def __init__(self, future: concurrent.futures.Future[None]) -> None:
+        self._future = future
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        seconds = None if timeout is None else timeout.total_seconds()
+        try:
+            self._future.result(timeout=seconds)
+        except concurrent.futures.TimeoutError:
+            raise RuntimeError(f"bucket reduction timed out after {seconds}s") from None
+        return True
+
+
 class AllReduceStrategy(Strategy):
-    """Bucketed, overlapped, sample-weighted all-reduce of gradients."""
+    """Bucketed, overlapped all-reduce of gradients; the local optimizer steps."""
 
     name = "allreduce"
 
@@ -76,28 +105,20 @@ class AllReduceStrategy(Strategy):
         self.config = config or AllReduceConfig(**options)
         self._buckets: list[_Bucket] = []
         self._where: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, index in bucket)
-        self._hooks: list[Any] = []
-        self._model: torch.nn.Module | None = None
-        self._optimizer: torch.optim.Optimizer | None = None
+        self._reducer: Any = None
+        self._thread: concurrent.futures.ThreadPoolExecutor | None = None
         self._scale = 0.0
-        self._expected = 0.0
-        self._armed = False
+        self._by_count = False
         self._next_launch = 0
 
     # set-up ------------------------------------------------------------------------
 
     def _setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-        if optimizer is None:
-            raise ValueError("strategy 'allreduce' needs a local optimizer (torch.optim)")
-        self._model, self._optimizer = model, optimizer
-        params = [p for p in model.parameters() if p.requires_grad]
-        if not params:
-            raise ValueError("the model has no parameters that require gradients")
         self._broadcast_from_rank0(model)
-        self._build_buckets(params)
-        if self.config.overlap:
-            for p in params:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+        self._reducer = reducers.make(self.config.compress, **self.config.compress_options)
+        if not hasattr(self._reducer, "launch"):
+            self._thread = concurrent.futures.ThreadPoolExecutor(1, "gradhub-reduce")
+        self._build_buckets(self.params)
 
     def _build_buckets(self, params: list[torch.nn.Parameter]) -> None:
         limit = max(1, int(self.config.bucket_mb * 1024 * 1024 / 4))
@@ -118,37 +139,25 @@ class AllReduceStrategy(Strategy):
                 self._where[id(p)] = (b, i)
             extra = 1 if b == 0 else 0  # bucket 0 carries the sample count
             buffer = torch.zeros(total + extra, dtype=torch.float32, device=device)
-            self._buckets.append(_Bucket(group, offsets, buffer))
+            self._buckets.append(_Bucket(group, offsets, buffer, [p.shape for p in group]))
 
-    # one step ----------------------------------------------------------------------
+    # one synchronising backward ------------------------------------------------------
 
-    def step(self, closure: Closure, samples: int, global_samples: int) -> None:
-        self._check_counts(samples, global_samples)
-        assert self._model is not None and self._optimizer is not None
-        self._optimizer.zero_grad(set_to_none=True)
+    def _begin_sync(self) -> None:
         for bucket in self._buckets:
             bucket.ready, bucket.work = 0, None
             bucket.filled.clear()
+        self._scale, self._by_count = self._weights()
+        samples = self._samples[0] if self._samples is not None else 1
         self._buckets[0].buffer[-1] = float(samples)
-        self._scale = samples / global_samples
-        self._expected = float(global_samples)
         self._next_launch = 0
-        self._armed = True
-        try:
-            if samples > 0:
-                closure().backward()
-            self._finish()
-        finally:
-            self._armed = False
-        self._optimizer.step()
-        self.steps += 1
 
-    def _on_grad_ready(self, p: torch.Tensor) -> None:
-        if not self._armed or p.grad is None:
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        if p.grad is None or not self.config.overlap:
             return
         b, i = self._where[id(p)]
         bucket = self._buckets[b]
-        if i in bucket.filled:  # a second backward in one step: not supported, keep first
+        if i in bucket.filled:
             return
         self._fill(bucket, i, p.grad)
         self._launch_ready()
@@ -168,10 +177,17 @@ class AllReduceStrategy(Strategy):
             bucket = self._buckets[self._next_launch]
             if bucket.ready < len(bucket.params):
                 return
-            bucket.work = dist.all_reduce(bucket.buffer, async_op=True)
+            bucket.work = self._launch(bucket, self._next_launch)
             self._next_launch += 1
 
-    def _finish(self) -> None:
+    def _launch(self, bucket: _Bucket, index: int) -> Any:
+        kw = {"shapes": bucket.shapes, "bucket_index": index, "step": self.steps}
+        if self._thread is None:
+            return self._reducer.launch(bucket.buffer, **kw)
+        reduce = self._reducer.reduce
+        return _FutureWork(self._thread.submit(lambda: reduce(bucket.buffer, **kw)))
+
+    def _finish_backward(self) -> None:
         for bucket in self._buckets:
             for i, p in enumerate(bucket.params):
                 if i not in bucket.filled:
@@ -180,11 +196,16 @@ class AllReduceStrategy(Strategy):
         first = self._buckets[0]
         self._wait(first.work, "all_reduce")
         total = float(first.buffer[-1])
-        if total <= 0:  # every rank had an empty batch: nothing to learn from
+        if total <= 0 and self._samples is not None:
             raise ValueError("no rank processed any sample in this step")
-        # Ranks scaled by samples / global_samples; if their global_samples did
-        # not match the samples actually processed, correct to the true weights.
-        fix = self._expected / total if total != self._expected else None
+        fix = None
+        if self._by_count:
+            fix = 1.0 / total
+        elif self._samples is not None and self._samples[1] is not None:
+            # Ranks scaled by samples / global_samples; if their global counts did
+            # not match the samples actually processed, correct to the true weights.
+            expected = float(self._samples[1])
+            fix = expected / total if total != expected else None
         for bucket in self._buckets:
             if bucket is not first:
                 self._wait(bucket.work, "all_reduce")
@@ -193,19 +214,11 @@ class AllReduceStrategy(Strategy):
             for p, offset in zip(bucket.params, bucket.offsets, strict=True):
                 p.grad = bucket.buffer[offset : offset + p.numel()].view_as(p)
 
-    # checkpoints and lifecycle -----------------------------------------------------
-
-    def state_dict(self) -> dict[str, Any]:
-        assert self._optimizer is not None
-        return {**super().state_dict(), "optimizer": self._optimizer.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        assert self._optimizer is not None
-        self._optimizer.load_state_dict(state["optimizer"])
+    def _apply(self) -> None:
+        assert self.optimizer is not None
+        self.optimizer.step()
 
     def close(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
+        if self._thread is not None:
+            self._thread.shutdown(wait=False, cancel_futures=True)
         super().close()

@@ -1,43 +1,64 @@
-"""The strategy interface: how one training step is synchronised across ranks.
+"""The strategy interface: how replicas are kept in step across ranks.
 
-Contract, for every strategy (one module each):
+A strategy is what :func:`gradhub.prepare` attaches to a model and its
+optimizer; the user's own loop (``zero_grad``, ``backward``, clip, ``step``)
+drives it, and ``fit`` drives the very same path. Contract, for every
+strategy (one module each):
 
 - :meth:`Strategy.setup` is called once per process, after ``gradhub.init()``,
-  with the model (already on ``runtime.device``), the local optimizer (or
-  ``None`` where the optimizer lives elsewhere, e.g. on parameter servers) and
-  the :class:`~gradhub.train.runtime.Runtime`. It makes every replica start
+  with the model (already on ``runtime.device``), the user's optimizer (only
+  its class, hyperparameters and live ``param_groups`` are used where it is not
+  stepped itself; ``None`` is allowed only by the parameter-server strategies)
+  and the :class:`~gradhub.train.runtime.Runtime`. It makes every replica start
   from the same parameters.
-- :meth:`Strategy.step` runs one synchronous (or, for parameter servers,
-  possibly asynchronous) data-parallel step. Every rank calls it the same
-  number of times. ``closure()`` runs the forward pass on this rank's part of
-  the global batch and returns the mean loss over its ``samples`` samples; the
-  strategy runs backward, combines gradients from every rank weighted by
-  samples (so the result is the gradient of the mean loss over the
-  ``global_samples`` samples of the global batch) and updates the model.
-- :meth:`Strategy.refresh` brings the local model up to date with the shared
-  parameters before evaluation or a checkpoint (a no-op where every step
-  already leaves the replicas equal). A
-  rank with ``samples == 0`` still calls ``step`` (its closure is not called)
-  so collectives stay matched.
-- :meth:`Strategy.state_dict` / :meth:`Strategy.load_state_dict` hold what a
-  checkpoint needs beyond the model's own state (optimizer state, counters).
-- :meth:`Strategy.close` releases hooks, sockets and threads; idempotent.
-- A peer that dies or stops answering makes :meth:`step` raise
+- Backward passes are watched through post-accumulate-grad hooks on every
+  parameter. Outside :meth:`no_sync` a backward pass *synchronises*: the
+  strategy may start communication from :meth:`_grad_ready` (one call per
+  parameter as its gradient is accumulated) and completes it in
+  :meth:`_finish_backward` (called once, when backward ends). Inside
+  ``no_sync`` gradients only accumulate locally.
+- :meth:`apply` is the prepared optimizer's ``step``: combine the gradients
+  of every rank and update the parameters (:meth:`_apply`). Every rank calls
+  it the same number of times.
+- Rank weights: by default every rank's gradient counts the same (the mean
+  of the ranks' mean losses, as DDP). After :meth:`set_samples` (``samples``
+  on this rank, optionally ``global_samples`` over all ranks) the next step
+  combines ``sum(n_i g_i) / sum(n_i)``: the single-process step on the whole
+  global batch, exact for uneven batches. It applies to that step only.
+- :meth:`step` (``closure``, ``samples``, ``global_samples``) is one whole
+  step built from the above; ``fit`` and the older tests use it. A rank with
+  ``samples == 0`` still calls it (its closure is not called) so collectives
+  stay matched.
+- :meth:`clip_grad_norm_` clips by the norm of the combined gradient;
+  :meth:`optimizer_state_dict` / :meth:`load_optimizer_state_dict` hold the
+  full optimizer state in the single-process optimizer's own format.
+- :meth:`refresh` brings the local model up to date with the shared
+  parameters (a no-op where every step already leaves the replicas equal).
+- :meth:`close` releases hooks, sockets and threads; idempotent.
+- A peer that dies or stops answering makes a step raise
   :class:`~gradhub.errors.WorkerFailedError` naming it, or
   :class:`~gradhub.errors.CollectiveTimeoutError`, within the runtime's
   timeout: never a hang.
+
+Misuse (each a :class:`~gradhub.errors.MisuseError`, an error rather than a
+warning because each one makes ranks diverge or collectives mismatch):
+stepping the optimizer handed to ``prepare``; a second synchronising backward
+before ``step`` (ranks that ran a different number of them would pair
+mismatched collectives; use ``no_sync()`` for every micro-batch but the last,
+or sum the losses); ``step`` with no synchronising backward since the last one.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
-from gradhub.errors import ClosedError, StateError
+from gradhub.errors import ClosedError, MisuseError, StateError
 from gradhub.train.runtime import Runtime
 
 Closure = Callable[[], torch.Tensor]
@@ -50,11 +71,24 @@ class Strategy(abc.ABC):
     name: ClassVar[str]
     """The name users pass as ``strategy=``."""
 
+    needs_optimizer: ClassVar[bool] = True
+    """Whether :meth:`setup` requires the user's optimizer."""
+
     def __init__(self) -> None:
         self._runtime: Runtime | None = None
         self._closed = False
         self.steps = 0
-        """Steps completed by this process."""
+        """Optimizer steps completed by this process."""
+        self.model: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.params: list[torch.nn.Parameter] = []
+        self.sync = True
+        """False inside :meth:`no_sync`: backward passes only accumulate locally."""
+        self._samples: tuple[int, int | None] | None = None
+        self._in_backward = False
+        self._synced = False  # a synchronising backward ran since the last step
+        self._stepping = False  # the original optimizer may be stepped (by us)
+        self._handles: list[Any] = []
 
     @property
     def runtime(self) -> Runtime:
@@ -63,6 +97,10 @@ class Strategy(abc.ABC):
         if self._runtime is None:
             raise StateError(f"strategy {self.name!r} is not set up; call setup() first")
         return self._runtime
+
+    @property
+    def world_size(self) -> int:
+        return self.runtime.world_size
 
     def setup(
         self,
@@ -73,16 +111,152 @@ class Strategy(abc.ABC):
         """Attach to a model and optimizer; replicas start equal after this."""
         if self._runtime is not None:
             raise StateError(f"strategy {self.name!r} is already set up")
+        if optimizer is None and self.needs_optimizer:
+            raise ValueError(f"strategy {self.name!r} needs the training script's optimizer")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer)!r}")
         runtime.check_open()
-        self._runtime = runtime
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("the model has no parameters that require gradients")
+        if optimizer is not None:
+            known = {id(p) for g in optimizer.param_groups for p in g["params"]}
+            if any(id(p) not in known for p in self.params):
+                raise ValueError(
+                    "the optimizer does not hold every trainable parameter of the model\n"
+                    "- help: build it over model.parameters() before gradhub.prepare"
+                )
+        self._runtime, self.model, self.optimizer = runtime, model, optimizer
         self._setup(model, optimizer)
+        for p in self.params:
+            self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        if optimizer is not None:
+            self._handles.append(optimizer.register_step_pre_hook(self._guard_original))
 
     @abc.abstractmethod
     def _setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None: ...
 
-    @abc.abstractmethod
+    # the user's loop -------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside only accumulate gradients locally (as DDP's)."""
+        before, self.sync = self.sync, False
+        try:
+            yield
+        finally:
+            self.sync = before
+
+    def set_samples(self, samples: int, global_samples: int | None = None) -> None:
+        """Weight this rank by ``samples`` in the next step (see the module docstring)."""
+        bad_total = global_samples is not None and (global_samples <= 0 or samples > global_samples)
+        if samples < 0 or bad_total:
+            raise ValueError(
+                f"need 0 <= samples <= global_samples and global_samples > 0, "
+                f"got samples={samples}, global_samples={global_samples}"
+            )
+        self._samples = (int(samples), None if global_samples is None else int(global_samples))
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if not self._in_backward:
+            if self.sync and self._synced:
+                raise MisuseError(
+                    "a second backward() before optimizer.step(), outside no_sync(): ranks "
+                    "would pair mismatched collectives\n- help: run every micro-batch but the "
+                    "last under `with model.no_sync():`, or add the losses and call backward once"
+                )
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
+            if self.sync:
+                self._begin_sync()
+        if self.sync:
+            self._grad_ready(p)
+
+    def _backward_end(self) -> None:
+        self._in_backward = False
+        if self.sync:
+            self._finish_backward()
+            self._synced = True
+
+    def _guard_original(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self._stepping:
+            raise MisuseError(
+                "this optimizer was handed to gradhub.prepare and must not be stepped "
+                "directly: the ranks would drift apart\n- help: call step() on the optimizer "
+                "that gradhub.prepare returned"
+            )
+
+    def apply(self) -> None:
+        """The prepared optimizer's ``step``: combine every rank's gradients, update."""
+        if self._in_backward:
+            raise MisuseError("optimizer.step() called during backward()")
+        if not self._synced:
+            raise MisuseError(
+                "optimizer.step() without a backward() outside no_sync() since the last "
+                "step: the gradients were never combined across ranks\n- help: run the "
+                "last micro-batch's backward outside `with model.no_sync():`"
+            )
+        self._stepping = True
+        try:
+            self._apply()
+        finally:
+            self._stepping = False
+            self._synced = False
+            self._samples = None
+        # An LR scheduler made on the original optimizer counts that optimizer's
+        # steps; where it is not stepped itself, record the step the scheduler expects.
+        opt = self.optimizer
+        if opt is not None and hasattr(opt.step, "_wrapped_by_lr_sched"):
+            opt._opt_called = True  # type: ignore[attr-defined]
+        self.steps += 1
+
     def step(self, closure: Closure, samples: int, global_samples: int) -> None:
-        """One data-parallel step; see the module docstring for the contract."""
+        """One whole step: weights, backward (if ``samples``), combine, update."""
+        self._check_counts(samples, global_samples)
+        self.set_samples(samples, global_samples)
+        for p in self.params:
+            p.grad = None
+        if samples > 0:
+            closure().backward()
+        if not self._synced:  # nothing to backward on this rank; still take part
+            self._begin_sync()
+            self._backward_end()
+        self.apply()
+
+    # what strategies implement ----------------------------------------------------
+
+    def _begin_sync(self) -> None:
+        """A synchronising backward starts (before its first :meth:`_grad_ready`)."""
+        return None
+
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        """``p.grad`` holds its accumulated gradient (synchronising backward only)."""
+        return None
+
+    def _finish_backward(self) -> None:
+        """The synchronising backward ended (also called with no backward at all)."""
+        return None
+
+    @abc.abstractmethod
+    def _apply(self) -> None:
+        """Combine the gradients over the ranks and update the parameters."""
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip by the norm of the gradient :meth:`apply` will use; returns that norm."""
+        return torch.nn.utils.clip_grad_norm_(self.params, max_norm, norm_type=norm_type)
+
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        """The full optimizer state, in the single-process optimizer's format."""
+        assert self.optimizer is not None
+        return self.optimizer.state_dict()
+
+    def load_optimizer_state_dict(self, state: dict[str, Any]) -> None:
+        assert self.optimizer is not None
+        self.optimizer.load_state_dict(state)
+
+    def model_loaded(self) -> None:
+        """The local parameters were overwritten (a state dict was loaded) on every rank."""
+        return None
 
     def refresh(self) -> None:
         """Make the local model reflect the shared parameters (default: nothing to do)."""
@@ -90,16 +264,38 @@ class Strategy(abc.ABC):
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint holds beyond the model's parameters."""
-        return {"steps": self.steps}
+        out: dict[str, Any] = {"steps": self.steps}
+        if self.optimizer is not None:
+            out["optimizer"] = self.optimizer_state_dict()
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.steps = int(state.get("steps", 0))
+        if self.optimizer is not None and "optimizer" in state:
+            self.load_optimizer_state_dict(state["optimizer"])
 
     def close(self) -> None:
         """Release hooks, sockets and threads. Idempotent."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
         self._closed = True
 
     # helpers shared by strategies -------------------------------------------------
+
+    def _weights(self) -> tuple[float, bool]:
+        """(factor for this rank's gradient, whether to divide the sum by the summed count).
+
+        Default: 1 / world size (DDP's mean). With samples: ``n / global`` when
+        the global count is known, else ``n``, and the strategy divides the sum
+        by the sum of the counts.
+        """
+        if self._samples is None:
+            return 1.0 / self.world_size, False
+        n, total = self._samples
+        if total is not None:
+            return n / total, False
+        return float(n), True
 
     def _check_counts(self, samples: int, global_samples: int) -> None:
         if samples < 0 or global_samples <= 0 or samples > global_samples:

@@ -28,8 +28,23 @@ Decisions:
 - Rank 0 ``init``\\ s every key with its initial values; a key that already
   exists (servers restored from a checkpoint, or kept from an earlier job)
   keeps the server's value, which every worker then pulls.
-- The trainer's local optimizer is not used: the servers' optimizer is
-  (``gradhub run --ps-optimizer/--ps-lr`` or ``gradhub serve``).
+- The servers' optimizer is built from the script's: its ``torch.optim`` class
+  and every hyperparameter of the parameter's group (an
+  :class:`~gradhub.optim.OptimizerSpec` sent with each key's ``init``), never
+  silently replaced. A custom optimizer class is a ``TypeError`` at set-up; a
+  server fixed to another optimizer refuses with
+  :class:`~gradhub.errors.OptimizerMismatchError` naming both. With
+  ``optimizer=None`` the servers' own optimizer is used.
+- Hyperparameters are live: a numeric hyperparameter of a group that changed
+  since the last step (an LR scheduler's ``lr``) travels with that step's
+  pushes of the group's keys and is set on the servers before they apply them.
+- The script's optimizer is never stepped locally and its state dict holds no
+  state: the optimizer state lives on the servers, which checkpoint it.
+- ``clip_grad_norm_`` under ``ps-sync`` sums the weighted gradients over the
+  workers (one all-reduce), clips the sum by its norm and has every worker
+  push ``1 / world_size`` of it, so the servers apply the clipped global
+  gradient; under ``ps-async``/``ps-ssp`` no global gradient exists and each
+  worker's weighted gradient is clipped by its own norm before the push.
 - Model buffers (e.g. batch-norm statistics) stay local to each worker.
 """
 
@@ -47,7 +62,8 @@ import torch
 import torch.distributed as dist
 
 from gradhub.errors import DuplicateParameterError, GradhubError, GradhubTimeoutError
-from gradhub.train.strategies.base import Closure, Strategy
+from gradhub.optim import OptimizerSpec
+from gradhub.train.strategies.base import Strategy
 
 ADDRESSES_KEY = "gradhub/ps/addresses"
 """Key in the launcher's c10d store under which ``gradhub run --servers`` puts
@@ -100,6 +116,7 @@ def published_addresses(timeout: float = 10.0) -> list[str] | None:
 
 class _PSStrategy(Strategy):
     mode: ClassVar[str]
+    needs_optimizer = False
 
     def __init__(self, config: PSConfig | None = None, **options: Any) -> None:
         super().__init__()
@@ -107,12 +124,15 @@ class _PSStrategy(Strategy):
             raise TypeError("pass either config= or keyword options, not both")
         self.config = config or PSConfig(**options)
         self._client: Any = None
-        self._params: list[tuple[str, torch.nn.Parameter]] = []
+        self._keys: list[tuple[str, torch.nn.Parameter, int]] = []  # name, parameter, group
+        self._sent: list[dict[str, Any]] = []  # per group: hyperparameters the servers have
+        self._combined: torch.Tensor | None = None  # ps-sync after clipping: what to push
 
     def _setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         from gradhub.ps.remote import RemoteParameterServer
 
         rt = self.runtime
+        spec = OptimizerSpec.of(optimizer) if optimizer is not None else None
         addresses = self.config.servers or published_addresses(min(10.0, rt.timeout))
         if not addresses:
             raise GradhubError(
@@ -120,7 +140,18 @@ class _PSStrategy(Strategy):
                 "- help: launch with `gradhub run -n N --servers S script.py`, or pass "
                 "servers=['tcp://HOST:PORT', ...] (started with `gradhub serve`)"
             )
-        self._params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        group_of = {}
+        if optimizer is not None:
+            group_of = {
+                id(p): g for g, grp in enumerate(optimizer.param_groups) for p in grp["params"]
+            }
+            self._sent = [self._numeric(g) for g in optimizer.param_groups]
+        trainable = {id(p) for p in self.params}
+        self._keys = [
+            (n, p, group_of.get(id(p), 0))
+            for n, p in model.named_parameters()
+            if id(p) in trainable
+        ]
         self._client = RemoteParameterServer(
             addresses,
             worker_id=rt.rank,
@@ -144,32 +175,97 @@ class _PSStrategy(Strategy):
                 f"but they run in mode(s) {', '.join(sorted(map(str, modes)))}\n"
                 f"- help: start them with --mode {self.mode} (gradhub run: --ps-mode {self.mode})"
             )
+        failed: Exception | None = None
         if rt.is_main:
-            for name, p in self._params:
-                # A key restored or kept by the servers keeps their value.
-                with contextlib.suppress(DuplicateParameterError):
-                    self._client.init(name, p.detach())
-        rt.all_reduce_sum(torch.zeros(1), where="parameter-server set-up")  # keys are in
+            try:
+                for name, p, g in self._keys:
+                    one = None if spec is None else OptimizerSpec(spec.name, (spec.groups[g],))
+                    # A key restored or kept by the servers keeps their value.
+                    with contextlib.suppress(DuplicateParameterError):
+                        self._client.init(name, p.detach(), optimizer=one)
+            except Exception as exc:
+                failed = exc
+        flag = torch.tensor([1.0 if failed is not None else 0.0])
+        rt.all_reduce_sum(flag, where="parameter-server set-up")  # keys are in
+        if failed is not None:
+            self._client.close(timeout=0)
+            raise failed
+        if flag.item() > 0:
+            self._client.close(timeout=0)
+            raise GradhubError(
+                f"rank 0 could not initialise the parameters on the servers ({self.name}); "
+                "its error says why"
+            )
         self.refresh()
 
-    def step(self, closure: Closure, samples: int, global_samples: int) -> None:
-        self._check_counts(samples, global_samples)
-        for _, p in self._params:
-            p.grad = None
-        if samples > 0:
-            closure().backward()
-        scale = samples / global_samples
+    @staticmethod
+    def _numeric(group: dict[str, Any]) -> dict[str, Any]:
+        return {
+            k: v
+            for k, v in group.items()
+            if k != "params" and isinstance(v, int | float) and not isinstance(v, bool)
+        }
+
+    def _changes(self) -> list[dict[str, Any] | None]:
+        """Per group: the numeric hyperparameters changed since the servers last got them."""
+        if self.optimizer is None:
+            return []
+        out: list[dict[str, Any] | None] = []
+        for g, group in enumerate(self.optimizer.param_groups):
+            sent = self._sent[g]  # keys the servers' groups have (a scheduler's
+            # bookkeeping such as initial_lr, added later, stays local)
+            changed = {k: group[k] for k in sent if group.get(k) != sent[k]}
+            sent.update(changed)
+            out.append(changed or None)
+        return out
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        if self.mode != "sync":  # no global gradient exists: clip this worker's share
+            return torch.nn.utils.clip_grad_norm_(self.params, max_norm, norm_type=norm_type)
+        # ps-sync: the servers apply the sum of the pushes. Sum the weighted
+        # gradients here (one all-reduce), clip that by its norm, and let every
+        # worker push 1/world of it: the servers' sum is the clipped gradient.
+        scale = self._scale()
+        flat = torch.cat(
+            [
+                (p.grad.detach() * scale if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                for _, p, _ in self._keys
+            ]
+        )
+        self.runtime.all_reduce_sum(flat, where="gradient norm")
+        norm = torch.linalg.vector_norm(flat, norm_type)
+        flat.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0) / self.world_size)
+        self._combined = flat
+        return norm
+
+    def _scale(self) -> float:
+        scale, by_count = self._weights()
+        if by_count:
+            total = self.runtime.all_reduce_sum(torch.tensor([scale]), where="sample count")
+            scale = scale / float(total[0])
+        return scale
+
+    def _apply(self) -> None:
+        combined, self._combined = self._combined, None
+        scale = self._scale() if combined is None else 1.0
+        changes = self._changes()
         pushes: list[Future[None]] = []
-        for i, (name, p) in enumerate(self._params):
-            grad = torch.zeros_like(p) if p.grad is None else p.grad.detach() * scale
-            pushes.append(self._client.push(name, grad, priority=-i))
+        offset = 0
+        for i, (name, p, g) in enumerate(self._keys):
+            if combined is not None:
+                grad = combined[offset : offset + p.numel()].view_as(p)
+            else:
+                grad = torch.zeros_like(p) if p.grad is None else p.grad.detach() * scale
+            offset += p.numel()
+            hyper = changes[g] if changes else None
+            pushes.append(self._client.push(name, grad, priority=-i, hyperparameters=hyper))
         self._settle(pushes)
         self.refresh()
-        self.steps += 1
 
     def refresh(self) -> None:
         pulls = [
-            self._client.pull(name, p.data, priority=-i) for i, (name, p) in enumerate(self._params)
+            self._client.pull(name, p.data, priority=-i)
+            for i, (name, p, _) in enumerate(self._keys)
         ]
         self._settle(pulls)
 

@@ -1,37 +1,48 @@
 """``sharded``: synchronous training on AllReduceParameter, optimizer state sharded.
 
 BigDL's scheme with ZeRO-1's memory saving. The model's parameters become
-views of one flat fp32 vector; rank r of P owns slice r of it. Per step:
+views of one flat fp32 vector, laid out group by group in the order of the
+optimizer's parameter groups; rank r of P owns slice r of it. Per step
+(the prepared optimizer's ``step``):
 
-1. backward on the local batch; the flat gradient, scaled by the samples this
-   rank processed, is reduce-scattered (optionally compressed on the wire:
+1. the flat gradient, each rank's multiplied by its weight (see
+   :mod:`.base`), is reduce-scattered (optionally compressed on the wire:
    ``compress="bf16"`` etc.) so each rank holds the sum of its own slice;
-2. the owner divides by ``global_samples`` (the weighted mean: exact for
-   uneven batches) and steps its optimizer on its slice only, so momentum or
+2. the owner steps the slice optimizer on its slice only, so momentum or
    Adam state exists once across the job instead of once per rank;
 3. the updated slices are all-gathered straight into the flat vector the
    parameters view.
 
 Decisions:
-- The optimizer passed to the trainer is a template: its class and the
-  hyper-parameters of its first parameter group are used to build the
-  per-slice optimizer (:class:`~gradhub.collective.ShardedOptimizer`); the
-  template itself is never stepped and keeps no state.
-- Checkpoints hold each rank's optimizer shard, so a sharded job resumes with
-  the same number of ranks only.
+- The script's optimizer is described by an :class:`~gradhub.optim.OptimizerSpec`
+  (its class and every group's hyperparameters); the slice optimizer has one
+  group per group of the script's (the part of it this rank owns). Before
+  every step the live hyperparameters of the script's groups (what an LR
+  scheduler or the user set) are copied onto the slice optimizer's groups.
+  The script's optimizer itself is never stepped and keeps no state.
+- ``clip_grad_norm_`` reduce-scatters at once, computes the global norm from
+  the slices (one scalar all-reduce) and scales the slice; ``step`` then
+  goes on from there.
+- The optimizer's ``state_dict()`` is the full, unsharded state in the
+  single-process optimizer's format (one all-reduce per state tensor; a
+  collective: call it on every rank); ``load_state_dict`` takes such a dict
+  from a job of any world size or a plain optimizer, and keeps this rank's part.
 - Model buffers are broadcast from rank 0 at set-up, not per step.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from gradhub import codecs
 from gradhub.collective import AllReduceParameter, CollectiveGroup, ShardedOptimizer
-from gradhub.train.strategies.base import Closure, Strategy
+from gradhub.optim import OptimizerSpec
+from gradhub.train.strategies.base import Strategy
 
 
 @dataclass(kw_only=True)
@@ -56,70 +67,162 @@ class ShardedStrategy(Strategy):
         if config is not None and options:
             raise TypeError("pass either config= or keyword options, not both")
         self.config = config or ShardedConfig(**options)
-        self._params: list[torch.nn.Parameter] = []
+        self._groups: list[list[torch.nn.Parameter]] = []
         self._flat = torch.zeros(0)
         self._grad = torch.zeros(0)
         self._arp: AllReduceParameter | None = None
         self._opt: ShardedOptimizer | None = None
+        self._reduced: torch.Tensor | None = None
 
     def _setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-        if optimizer is None:
-            raise ValueError(
-                "strategy 'sharded' needs an optimizer to use as template (class and settings)"
-            )
-        self._params = [p for p in model.parameters() if p.requires_grad]
-        if not self._params:
-            raise ValueError("the model has no parameters that require gradients")
-        if any(p.dtype != torch.float32 for p in self._params):
+        assert optimizer is not None
+        spec = OptimizerSpec.of(optimizer)  # a custom class is a clear error here
+        if any(p.dtype != torch.float32 for p in self.params):
             raise ValueError("strategy 'sharded' trains fp32 parameters; call model.float()")
+        trainable = {id(p) for p in self.params}
+        self._groups = [
+            [p for p in g["params"] if id(p) in trainable] for g in optimizer.param_groups
+        ]
+        self.params = [p for g in self._groups for p in g]  # the flat vector's order
         self._broadcast_from_rank0(model)
-        device = self._params[0].device
-        size = sum(p.numel() for p in self._params)
-        self._flat = torch.cat([p.detach().reshape(-1) for p in self._params]).to(device)
+        device = self.params[0].device
+        size = sum(p.numel() for p in self.params)
+        self._flat = torch.cat([p.detach().reshape(-1) for p in self.params]).to(device)
         self._grad = torch.zeros_like(self._flat)
         offset = 0
-        for p in self._params:  # parameters become views of the flat vector
+        for p in self.params:  # parameters become views of the flat vector
             p.data = self._flat[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
         group = CollectiveGroup.of(None, timeout=self.runtime.timeout)
         self._arp = AllReduceParameter(size, group=group, compress=self.config.compress)
         self._arp.init(self._flat)
-        cls = type(optimizer)
-        settings = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
-        self._opt = ShardedOptimizer(self._arp, lambda params: cls(params, **settings))
+        sizes = [sum(p.numel() for p in g) for g in self._groups]
+        self._opt = ShardedOptimizer(self._arp, spec, group_sizes=sizes)
 
-    def step(self, closure: Closure, samples: int, global_samples: int) -> None:
-        self._check_counts(samples, global_samples)
-        assert self._arp is not None and self._opt is not None
-        for p in self._params:
-            p.grad = None
-        if samples > 0:
-            closure().backward()
+    def _reduce(self) -> torch.Tensor:
+        """Reduce-scatter this step's gradients once; this rank's slice of the sum."""
+        if self._reduced is not None:
+            return self._reduced
+        assert self._arp is not None
+        scale, by_count = self._weights()
         offset = 0
-        for p in self._params:
+        for p in self.params:
             slot = self._grad[offset : offset + p.numel()]
             if p.grad is None:
                 slot.zero_()
             else:
-                torch.mul(p.grad.reshape(-1), float(samples), out=slot)
+                torch.mul(p.grad.reshape(-1), scale, out=slot)
             offset += p.numel()
         self._arp.put_gradients(self._grad)
-        self._opt.step(avg_numbers=global_samples)
+        divisor = 1.0
+        if by_count:
+            assert self._samples is not None
+            count = torch.tensor([float(self._samples[0])])
+            divisor = float(self.runtime.all_reduce_sum(count, where="sample count")[0])
+        self._reduced = self._arp.aggregate_gradient_partition(divisor)
+        return self._reduced
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        grad = self._reduce()
+        if math.isinf(norm_type):
+            local = grad.abs().max() if grad.numel() else torch.zeros(())
+            total = local.reshape(1).to(torch.float32)
+            if self.world_size > 1:
+                self._wait(dist.all_reduce(total, op=dist.ReduceOp.MAX, async_op=True), "norm")
+            norm = total[0]
+        else:
+            power = grad.abs().pow(norm_type).sum().reshape(1)
+            norm = self.runtime.all_reduce_sum(power, where="gradient norm")[0] ** (1 / norm_type)
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        grad.mul_(coef)
+        return norm
+
+    def _apply(self) -> None:
+        assert self._arp is not None and self._opt is not None and self.optimizer is not None
+        grad = self._reduce()
+        for mine, live in zip(self._opt.param_groups, self.optimizer.param_groups, strict=True):
+            mine.update({k: v for k, v in live.items() if k != "params"})
+        try:
+            self._opt.apply(grad)
+        finally:
+            self._reduced = None
         self._arp.get_weights(self._flat).wait()
-        self.steps += 1
 
-    def state_dict(self) -> dict[str, Any]:
-        assert self._opt is not None
-        return {**super().state_dict(), "optimizer_shard": self._opt.state_dict()}
+    # the full optimizer state ------------------------------------------------------
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the shard; the model's (already loaded) values become the master slice."""
-        super().load_state_dict(state)
-        assert self._opt is not None and self._arp is not None
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        assert self._opt is not None and self.optimizer is not None
+        state: dict[int, dict[str, Any]] = {}
+        groups: list[dict[str, Any]] = []
+        index = 0
+        for g, (params, live) in enumerate(
+            zip(self._groups, self.optimizer.param_groups, strict=True)
+        ):
+            shard = self._opt.optimizer.state.get(self._opt.views[g], {})
+            start, end = self._opt.ranges[g]
+            a, b = self._opt.owned(g)
+            whole: dict[str, Any] = {}
+            for key in sorted(shard):
+                value = shard[key]
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    full = torch.zeros(end - start, dtype=value.dtype, device=value.device)
+                    full[a:b] = value.reshape(-1)
+                    whole[key] = self.runtime.all_reduce_sum(full, where="optimizer state")
+                else:
+                    whole[key] = value
+            ids = []
+            offset = 0
+            for p in params:
+                if whole:
+                    state[index] = {
+                        k: v[offset : offset + p.numel()].view_as(p).clone()
+                        if isinstance(v, torch.Tensor) and v.dim() > 0
+                        else (v.clone() if isinstance(v, torch.Tensor) else v)
+                        for k, v in whole.items()
+                    }
+                ids.append(index)
+                index += 1
+                offset += p.numel()
+            groups.append({**{k: v for k, v in live.items() if k != "params"}, "params": ids})
+        return {"state": state, "param_groups": groups}
+
+    def load_optimizer_state_dict(self, state: dict[str, Any]) -> None:
+        assert self._opt is not None and self.optimizer is not None
+        saved_groups = state["param_groups"]
+        if len(saved_groups) != len(self._groups) or any(
+            len(s["params"]) != len(g) for s, g in zip(saved_groups, self._groups, strict=True)
+        ):
+            raise ValueError(
+                "the optimizer state dict does not match this optimizer's parameter groups "
+                f"({[len(s['params']) for s in saved_groups]} vs {[len(g) for g in self._groups]})"
+            )
+        shard_state: dict[int, dict[str, Any]] = {}
+        shard_groups: list[dict[str, Any]] = []
+        for g, (saved, live) in enumerate(
+            zip(saved_groups, self.optimizer.param_groups, strict=True)
+        ):
+            live.update({k: v for k, v in saved.items() if k != "params"})
+            per_param = [state["state"].get(i, state["state"].get(str(i))) for i in saved["params"]]
+            a, b = self._opt.owned(g)
+            if per_param and all(s for s in per_param):
+                mine: dict[str, Any] = {}
+                for key, first in per_param[0].items():
+                    if isinstance(first, torch.Tensor) and first.dim() > 0:
+                        full = torch.cat([s[key].reshape(-1) for s in per_param])
+                        mine[key] = full[a:b].clone()
+                    else:
+                        mine[key] = first
+                shard_state[g] = mine
+            shard_groups.append({**{k: v for k, v in live.items() if k != "params"}, "params": [g]})
+        self._opt.load_state_dict({"state": shard_state, "param_groups": shard_groups})
+
+    def model_loaded(self) -> None:
+        """The model's (loaded) values become this rank's master slice."""
+        assert self._arp is not None
         start, length = self._arp.local_partition_range
-        self._arp.weight_partition.copy_(self._flat[start : start + length])
+        with torch.no_grad():
+            self._arp.weight_partition.copy_(self._flat[start : start + length])
         self._arp.send_weight_partition()
-        self._opt.load_state_dict(state["optimizer_shard"])
 
     def close(self) -> None:
         if self._arp is not None:

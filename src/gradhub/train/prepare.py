@@ -1,0 +1,125 @@
+"""``gradhub.prepare``: your own training loop, distributed under every strategy.
+
+.. code-block:: python
+
+    runtime = gradhub.init()
+    model, optimizer = gradhub.prepare(model, torch.optim.AdamW(model.parameters(), lr=3e-4),
+                                       strategy="sharded", compress="bf16")
+    for x, y in loader:
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        gradhub.clip_grad_norm_(model, 1.0)     # the global norm, under every strategy
+        optimizer.step()
+        scheduler.step()
+
+What it returns is described in :mod:`gradhub.train.wrapped_model` and
+:mod:`gradhub.train.distributed_optimizer`; how each strategy combines the
+gradients in :mod:`gradhub.train.strategies`.
+
+Decisions:
+- Without ``runtime=``, :func:`gradhub.init` is called (it adopts a process
+  group that is already set up). The model is moved to ``runtime.device``.
+- Every rank must call ``prepare`` with the same model architecture; rank 0's
+  initial parameters are used everywhere.
+- ``clip_grad_norm_`` clips by the norm of the combined gradient
+  (``allreduce``: the gradients are combined when ``backward`` returns, so
+  ``torch.nn.utils.clip_grad_norm_`` works too; ``sharded``: computed from the
+  slices; ``ps-*``: each worker's own contribution, as no global gradient
+  exists under ``ps-async``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradhub.errors import ReplicasDivergedError
+from gradhub.train.distributed_optimizer import DistributedOptimizer
+from gradhub.train.runtime import Runtime, init
+from gradhub.train.strategies import Strategy, make_strategy
+from gradhub.train.wrapped_model import PreparedModel
+
+
+def prepare(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    strategy: str | Strategy = "allreduce",
+    runtime: Runtime | None = None,
+    **options: Any,
+) -> tuple[PreparedModel, DistributedOptimizer]:
+    """Make ``model`` and ``optimizer`` distributed with ``strategy``; see the module doc.
+
+    ``options`` go to the strategy (``bucket_mb=``, ``compress=``,
+    ``servers=``, ...). Returns ``(model, optimizer)`` to use in their place.
+    """
+    if isinstance(model, PreparedModel):
+        raise TypeError("this model was already prepared; pass the original module")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(
+        optimizer, DistributedOptimizer
+    ):
+        raise TypeError(
+            "optimizer must be the script's torch.optim.Optimizer, built over model.parameters()"
+        )
+    if isinstance(strategy, str):
+        impl = make_strategy(strategy, **options)
+    elif options:
+        raise TypeError("options go to the strategy's constructor, not with an instance")
+    else:
+        impl = strategy
+    runtime = runtime if runtime is not None else init()
+    model.to(runtime.device)
+    impl.setup(model, optimizer, runtime)
+    return PreparedModel(model, impl), DistributedOptimizer(optimizer, impl)
+
+
+def _strategy_of(model: Any) -> Strategy:
+    if not isinstance(model, PreparedModel):
+        raise TypeError("expected the model gradhub.prepare returned")
+    return model.strategy
+
+
+def clip_grad_norm_(model: PreparedModel, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip the gradients of a prepared model by their global norm; returns the norm.
+
+    Call it between ``backward`` and ``optimizer.step()``, as
+    ``torch.nn.utils.clip_grad_norm_``; right under every strategy (see the
+    module docstring for ``ps-*``).
+    """
+    return _strategy_of(model).clip_grad_norm_(float(max_norm), float(norm_type))
+
+
+def check_in_sync(model: PreparedModel | torch.nn.Module, runtime: Runtime | None = None) -> None:
+    """Raise :class:`~gradhub.errors.ReplicasDivergedError` naming the ranks whose
+    parameters differ from rank 0's; return quietly when all are equal.
+
+    A collective: every rank calls it. The checksum is exact (the parameters'
+    bits summed as integers, plain and position-weighted), so any difference
+    in any bit shows. Under ``ps-async``/``ps-ssp`` replicas legitimately
+    differ between pulls; call it after ``refresh`` at a point where no push
+    is in flight.
+    """
+    if isinstance(model, PreparedModel):
+        rt = model.strategy.runtime
+        model.strategy.refresh()
+        params = list(model.module.parameters())
+    else:
+        rt = runtime if runtime is not None else init()
+        params = list(model.parameters())
+    bits = torch.cat([p.detach().reshape(-1).float().cpu() for p in params]).view(torch.int32)
+    wide = bits.to(torch.int64)
+    plain = int(wide.sum())
+    weighted = int((wide * torch.arange(1, wide.numel() + 1, dtype=torch.int64)).sum())
+    mine = torch.tensor([plain, weighted], dtype=torch.int64)
+    everyone = [torch.zeros(2, dtype=torch.int64) for _ in range(rt.world_size)]
+    if rt.world_size > 1:
+        rt.wait(dist.all_gather(everyone, mine, async_op=True), "all_gather", where="check_in_sync")
+    else:
+        everyone = [mine]
+    differ = [r for r, t in enumerate(everyone) if not torch.equal(t, everyone[0])]
+    if differ:
+        raise ReplicasDivergedError(differ)

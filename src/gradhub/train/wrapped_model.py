@@ -1,0 +1,87 @@
+"""The model :func:`gradhub.prepare` returns: the user's module, made distributed.
+
+Calls go straight through to the original module (``model.module``).
+Unlike DDP's wrapper, ``state_dict()`` and ``load_state_dict()`` are the
+original module's, keys unchanged (no ``module.`` prefix), so checkpoints
+load into a plain model; attributes the wrapper does not have are looked up
+on the original module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from gradhub.train.strategies import Strategy
+
+
+class PreparedModel(torch.nn.Module):
+    """Wraps ``module``; the ``strategy`` keeps its replicas in step across ranks."""
+
+    def __init__(self, module: torch.nn.Module, strategy: Strategy) -> None:
+        super().__init__()
+        self.module = module
+        self._gradhub_strategy = strategy
+
+    @property
+    def strategy(self) -> Strategy:
+        """The strategy that keeps this model's replicas equal."""
+        return self._gradhub_strategy
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Backward passes inside only accumulate gradients locally, as DDP's ``no_sync``.
+
+        Use it for every micro-batch of a gradient-accumulation step but the
+        last; the last one's backward (outside) combines the accumulated sum.
+        """
+        return self._gradhub_strategy.no_sync()
+
+    def set_samples(self, samples: int, global_samples: int | None = None) -> None:
+        """Weight this rank by its ``samples`` in the next optimizer step.
+
+        Without it every rank counts the same (DDP's mean of means). With it the
+        step uses ``sum(n_i * g_i) / sum(n_i)``: exactly the single-process step
+        on the whole global batch, also when the last batches are uneven. Give
+        ``global_samples`` when known (saves a division pass); call it before
+        the synchronising backward of each step.
+        """
+        self._gradhub_strategy.set_samples(samples, global_samples)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """The original module's state dict (same keys)."""
+        self._gradhub_strategy.refresh()
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """Load into the original module (same keys); every rank must load the same values."""
+        if assign:
+            raise ValueError("assign=True would replace the parameters the strategy holds")
+        with torch.no_grad():
+            result = self.module.load_state_dict(state_dict, strict=strict)
+        self._gradhub_strategy.model_loaded()
+        return result
+
+    def close(self) -> None:
+        """Release the strategy's hooks, threads and connections. Idempotent."""
+        self._gradhub_strategy.close()
+
+    def __enter__(self) -> PreparedModel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = super().__getattr__("module")
+            return getattr(module, name)
