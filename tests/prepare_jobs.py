@@ -106,7 +106,7 @@ def single_process(kind: str, optimizer: str, world: int) -> list[np.ndarray]:
 
 
 def own_loop(rank: int, world: int, cases: list[tuple[str, str, str, dict[str, Any]]]) -> Any:
-    """Run each (strategy, model, optimizer, options) case; DDP ran alongside for allreduce/sharded."""
+    """Run each (strategy, model, optimizer, options) case; DDP beside allreduce/sharded."""
     runtime = gradhub.init(timeout=30)
     out: dict[str, Any] = {}
     try:
