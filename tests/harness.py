@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gradhub.collective.group import free_loopback_port
+from gradhub.runtime import free_loopback_port
 
 
 def free_port() -> int:

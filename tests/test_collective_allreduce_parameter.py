@@ -5,12 +5,15 @@ Each spawned job groups several checks, to keep process start-ups few.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
+from datetime import timedelta
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
 from gradhub import AllReduceParameter, ShardedOptimizer
 from gradhub.collective import CollectiveGroup, local_group
@@ -188,16 +191,41 @@ ABSENT = 1
 TIMEOUT = 3.0
 
 
+def _user_group(rank: int, world_size: int, port: int) -> dist.TCPStore:
+    """The default group made the way a torch user makes it, with the test's timeout."""
+    # The store waits (60 s) until every rank has connected, so the short
+    # group timeout only bounds the collectives, not process start-up.
+    store = dist.TCPStore(
+        "127.0.0.1", port, world_size, is_master=rank == 0, timeout=timedelta(seconds=60)
+    )
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=TIMEOUT)
+    )
+    return store
+
+
 def timeout_job(
-    rank: int, world_size: int, port: int, size: int
+    rank: int, world_size: int, port: int, size: int, user_group: bool
 ) -> tuple[str, list[int], str, float]:
     torch.set_num_threads(1)
-    with local_group(rank, world_size, port, timeout=30) as group:
+    if user_group:
+        store = _user_group(rank, world_size, port)
+        # No timeout anywhere in gradhub: the user's group's own one applies.
+        p = AllReduceParameter(size)
+    else:
+        group = local_group(rank, world_size, port, timeout=30)
+        assert group.store is not None
+        store = group.store
         p = AllReduceParameter(size, group=group, timeout=TIMEOUT)
+    try:
         p.init(torch.zeros(size))
         if rank == ABSENT:
             # Alive but not taking part, until the others have given up.
-            time.sleep(TIMEOUT + 3)
+            with contextlib.suppress(RuntimeError):  # rank 0's store may be gone already
+                store.wait(
+                    [f"test-done/{r}" for r in range(world_size) if r != ABSENT],
+                    timedelta(seconds=30),
+                )
             return ("absent", [], "", 0.0)
         begin = time.monotonic()
         p.put_gradients(torch.ones(size))
@@ -207,22 +235,35 @@ def timeout_job(
         # The group is broken now; further use says so instead of hanging.
         with pytest.raises(StateError, match="broken"):
             p.get_weights(torch.zeros(size)).wait()
+        store.set(f"test-done/{rank}", "1")
         err = caught.value
         return (str(err), list(err.missing_ranks), err.operation, elapsed)
+    finally:
+        p.close()
+        if user_group:
+            dist.destroy_process_group()
+        else:
+            group.close()
 
 
-# 100 elements go through gloo's collectives, 2M (8 MB > SMALL_BYTES) through the ring.
-@pytest.mark.parametrize("size", [100, 2_000_000])
-def test_a_rank_that_does_not_take_part_is_named_within_the_timeout(size: int) -> None:
-    results = run_ranks(timeout_job, 3, free_port(), size, timeout=60)
+# 100 elements go through gloo's collectives, 2M (8 MB > SMALL_BYTES) through
+# the ring; the last case sets the default group up as a torch user does, with
+# its own timeout, and gives gradhub none.
+@pytest.mark.slow
+@pytest.mark.parametrize(("size", "user_group"), [(100, False), (2_000_000, False), (100, True)])
+def test_a_rank_that_does_not_take_part_is_named_within_the_timeout(
+    size: int, user_group: bool
+) -> None:
+    results = run_ranks(timeout_job, 3, free_port(), size, user_group, timeout=60)
     assert not any(r.killed for r in results), "a process hung"
     for r in results:
         if r.rank == ABSENT:
             continue
         message, missing, operation, elapsed = r.value
-        # Rank 2 waits on rank 1 directly; rank 0 waits on rank 2, which is
-        # itself stuck: the check-in still names rank 1 on both.
+        # Rank 2 waits on rank 1 directly; rank 0 waits on rank 2, which
+        # gives up and leaves: the check-in still names rank 1 on both.
         assert missing == [ABSENT], message
         assert "put_gradients" in operation
         assert f"rank(s) {ABSENT} (not entered the operation" in message
+        assert f"after {TIMEOUT:g}s" in message
         assert elapsed < TIMEOUT + 2.0, elapsed

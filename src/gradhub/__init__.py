@@ -30,9 +30,9 @@ from gradhub.ps.config import ServerConfig
 from gradhub.ps.launch import ServerHandle, start_server
 from gradhub.ps.local import LocalParameterServer
 from gradhub.ps.remote import RemoteParameterServer
+from gradhub.runtime import Runtime, init
 from gradhub.train.distributed_optimizer import DistributedOptimizer
 from gradhub.train.prepare import check_in_sync, clip_grad_norm_, prepare
-from gradhub.train.runtime import Runtime, init
 from gradhub.train.trainer import DataParallelTrainer, FitConfig, FitResult
 from gradhub.train.wrapped_model import PreparedModel
 

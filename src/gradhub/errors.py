@@ -160,3 +160,7 @@ class ReplicasDivergedError(GradhubError, RuntimeError):
             "- help: every rank must step the optimizer gradhub.prepare returned, the "
             "same number of times; check what these ranks did differently"
         )
+
+
+class LaunchEnvironmentError(GradhubError, ValueError):
+    """The launcher's environment (``RANK``, ``WORLD_SIZE``, ...) is incomplete or invalid."""

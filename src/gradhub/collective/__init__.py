@@ -1,7 +1,8 @@
 """Collectives: process groups, ring reduce-scatter/all-gather, AllReduceParameter.
 
-- :mod:`.group`: process-group set-up (launcher environment or loopback),
-  timeouts and check-ins; :class:`CollectiveGroup`.
+- :mod:`.group`: :class:`CollectiveGroup`, a process group with one timeout,
+  check-ins and errors that name the rank (set-up: :mod:`gradhub.runtime`,
+  re-exported here).
 - :mod:`.schedule`: the ring schedule, pure.
 - :mod:`.ring`: :func:`reduce_scatter` and :func:`all_gather` (gloo ring or NCCL).
 - :mod:`.allreduce_parameter`: :class:`AllReduceParameter` (BigDL's).
@@ -9,17 +10,18 @@
 """
 
 from gradhub.collective.allreduce_parameter import AllReduceParameter
-from gradhub.collective.group import (
+from gradhub.collective.group import CollectiveFuture, CollectiveGroup
+from gradhub.collective.ring import all_gather, reduce_scatter
+from gradhub.collective.sharded_optimizer import ShardedOptimizer
+
+# Set-up lives in gradhub.runtime (which imports .group, so it comes last here).
+from gradhub.runtime import (
     DEFAULT_TIMEOUT,
-    CollectiveFuture,
-    CollectiveGroup,
     destroy_process_group,
     free_loopback_port,
     init_process_group_from_env,
     local_group,
 )
-from gradhub.collective.ring import all_gather, reduce_scatter
-from gradhub.collective.sharded_optimizer import ShardedOptimizer
 
 __all__ = [
     "DEFAULT_TIMEOUT",

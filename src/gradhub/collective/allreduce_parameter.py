@@ -65,10 +65,13 @@ class AllReduceParameter:
     """A flat parameter of ``size`` elements sliced over the ranks of ``group``.
 
     ``group``: a :class:`CollectiveGroup`, a torch process group, or ``None``
-    for the default one. ``compress``: a codec name (:func:`gradhub.codecs.get`)
-    for the wire; arithmetic and master weights stay fp32. ``timeout``: seconds
-    per operation (default: the group's). Every rank must create it with the
-    same arguments and call its methods in the same order.
+    for the default one (wrapped for this object alone, with that group's
+    own timeout; share a :class:`CollectiveGroup`, e.g. ``gradhub.init().group``,
+    between objects used concurrently on one process group). ``compress``: a
+    codec name (:func:`gradhub.codecs.get`) for the wire; arithmetic and
+    master weights stay fp32. ``timeout``: seconds per operation (default:
+    the group's). Every rank must create it with the same arguments and call
+    its methods in the same order.
     """
 
     def __init__(
@@ -85,6 +88,7 @@ class AllReduceParameter:
         if timeout is not None and not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
         self.group = CollectiveGroup.of(group)
+        self._owns_group = self.group is not group  # a wrapper made here is closed with self
         self.codec = codecs.get(compress)
         self.size = size
         self.timeout = self.group.timeout if timeout is None else float(timeout)
@@ -276,11 +280,15 @@ class AllReduceParameter:
 
     # -------------------------------------------------------------- lifecycle
     def close(self) -> None:
-        """Refuse further use. The group stays up (it is not this object's). Idempotent."""
+        """Refuse further use. The process group stays up (it is not this object's);
+        a wrapper made of a plain torch process group (or the default one) is closed.
+        Idempotent."""
         if self._closed:
             return
         self._closed = True
         self._pending = None
+        if self._owns_group:
+            self.group.close()
 
     def __enter__(self) -> AllReduceParameter:
         return self

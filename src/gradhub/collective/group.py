@@ -1,36 +1,46 @@
-"""Process groups: set-up from the launcher's environment, timeouts, check-in.
+"""Process-group wrapper: one timeout, check-ins, failures that name the rank.
 
 :class:`CollectiveGroup` wraps one ``torch.distributed`` process group with
 what gradhub's collectives need around it: the backend and device, one
 timeout, a c10d store for check-ins, an operation counter and one worker
-thread on which operations run in order.
-
-Set-up:
-
-- :func:`init_process_group_from_env` reads ``RANK``, ``WORLD_SIZE``,
-  ``MASTER_ADDR`` and ``MASTER_PORT`` (what ``torchrun`` and ``gradhub run``
-  set), picks NCCL when CUDA is available and gloo otherwise, and initialises
-  the default process group with an explicit timeout. It is what
-  ``gradhub.init()`` calls.
-- :func:`local_group` does the same on 127.0.0.1 with a given port, without
-  touching the environment (tests, examples, benchmarks).
-- :func:`destroy_process_group` (or ``with group:``) tears it down.
+thread on which operations run in order. Setting a group up from the
+launcher's environment is :mod:`gradhub.runtime`'s job.
 
 Decisions:
 
+- **Who owns the wrapper.** Whoever creates it: :func:`gradhub.runtime.init`
+  keeps one in its :class:`~gradhub.runtime.Runtime` (``runtime.group``),
+  :func:`~gradhub.runtime.local_group` returns one, and an object given a
+  plain torch process group (or ``None``: the default one) wraps it for
+  itself and closes its wrapper with itself. There is no registry. Operations
+  of different wrappers of one process group are not ordered with respect to
+  each other: objects used concurrently on one process group must share one
+  wrapper (as torch requires one order of collectives per group).
+- **Timeout.** A wrapper made here of a process group the user created uses
+  that group's own timeout (``init_process_group(timeout=...)``), unless
+  ``timeout=`` is given.
 - **Check-in.** At the start of every operation each rank writes the
   operation's sequence number under its own key in the store (one key per
-  rank, overwritten, so the store does not grow). When a wait times out, the
-  ranks whose number is behind are the ones that did not enter the
-  operation; those are named in :class:`~gradhub.errors.CollectiveTimeoutError`.
-  If every rank entered it, the peer that was being waited on is named. A
-  group that wraps a process group gradhub did not create uses the default
-  store when torch exposes it, else it names the peer only.
-- **A timeout breaks the group.** Messages of the failed operation may still
+  rank, overwritten, so the store does not grow). Every rank numbers its
+  wrappers of one process group in creation order, and each wrapper checks
+  in under its own number, so wrappers created in the same order on every
+  rank (as collectives require) compare like with like.
+- **Naming who failed** (:meth:`CollectiveGroup.failure`, the one place c10d
+  errors become gradhub errors):
+
+  - an operation that runs out of time is a
+    :class:`~gradhub.errors.CollectiveTimeoutError` naming the ranks that
+    did not enter it (their check-in is behind), else the peer waited on;
+    the rank leaves a note in the store that it gave up;
+  - a lost connection whose cause is a peer that gave up on its own timeout
+    (its note is in the store) is the same timeout error, naming the ranks
+    that never entered the operation, not the peer that left;
+  - any other lost connection is a roll call: every surviving rank answers
+    in the store, and the ranks that do not answer within a few seconds are
+    named in :class:`~gradhub.errors.WorkerFailedError` (they died or hang).
+- **A failure breaks the group.** Messages of the failed operation may still
   be in flight, so later operations on the group raise
   :class:`~gradhub.errors.StateError`; destroy and re-create it.
-- **A lost connection** (the peer process died) is a
-  :class:`~gradhub.errors.WorkerFailedError` naming the peer, not a timeout.
 - Ranks in errors are ranks within the group (the same as global ranks for
   the default group).
 """
@@ -38,12 +48,11 @@ Decisions:
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
-import os
-import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Generic, TypeVar
@@ -60,22 +69,44 @@ from gradhub.errors import (
 
 _log = logging.getLogger("gradhub.collective")
 
-DEFAULT_TIMEOUT = 300.0
-"""Seconds an operation may take before :class:`CollectiveTimeoutError` (torch's
-store default; collectives on big models after a slow first step need room)."""
-
 _FUTURE_GRACE = 10.0
 """Seconds a future waits beyond its operation's own deadline before it gives up
 on the worker thread."""
 
+ROLL_CALL_GRACE = 5.0
+"""Seconds the survivors of a lost connection wait for each other to answer the
+roll call (at most the operation's timeout); who has not answered by then is named."""
+
 T = TypeVar("T")
 
 
-def free_loopback_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def process_group_timeout(pg: dist.ProcessGroup) -> float:
+    """Seconds ``pg`` was created with (``init_process_group(timeout=...)``)."""
+    for device in ("cpu", "cuda"):
+        try:
+            backend = pg._get_backend(torch.device(device))
+            return float(backend.options._timeout.total_seconds())
+        except (RuntimeError, AttributeError):
+            continue
+    return float(dist.distributed_c10d.default_pg_timeout.total_seconds())
+
+
+def default_store() -> dist.Store | None:
+    """The default process group's store, when torch exposes it."""
+    # torch keeps the default group's store privately; use it when it is there.
+    getter = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if getter is None:
+        return None
+    try:
+        store: dist.Store = getter()
+    except (RuntimeError, ValueError):
+        return None
+    return store
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return "timed out" in text or "timeout" in text
 
 
 @dataclass
@@ -140,11 +171,11 @@ class CollectiveFuture(Generic[T]):
 class CollectiveGroup:
     """A process group plus what gradhub's collectives need around it.
 
-    Build one with :func:`init_process_group_from_env`, :func:`local_group` or
-    :meth:`of` (which wraps an existing torch process group, or the default
-    one). One object exists per process group in a process; its operation
-    counter must advance in step on every rank, so every rank must run the
-    same operations on it in the same order.
+    Build one with :func:`gradhub.runtime.local_group`,
+    :func:`gradhub.runtime.init_process_group_from_env`, ``gradhub.init().group``
+    or :meth:`of` (which wraps an existing torch process group, or the
+    default one). Its operation counter must advance in step on every rank,
+    so every rank must run the same operations on it in the same order.
     """
 
     def __init__(
@@ -165,10 +196,14 @@ class CollectiveGroup:
             else torch.device("cpu")
         )
         self.timeout = float(timeout)
-        name = getattr(process_group, "group_name", "default")
-        self._store = (
-            dist.PrefixStore(f"gradhub/collective/{name}/", store) if store is not None else None
-        )
+        self.store: dist.Store | None = None
+        """This wrapper's own part of the job's c10d store (``None``: no store)."""
+        self._base_store = store
+        if store is not None:
+            name = getattr(process_group, "group_name", "default")
+            base = f"gradhub/collective/{name}/"
+            instance = store.add(f"{base}instances/{self.rank}", 1)
+            self.store = dist.PrefixStore(f"{base}{instance}/", store)
         self._owns = owns_process_group
         self._sequence = 0
         self._lock = threading.Lock()
@@ -186,10 +221,12 @@ class CollectiveGroup:
         *,
         timeout: float | None = None,
     ) -> CollectiveGroup:
-        """The :class:`CollectiveGroup` of ``group`` (default: the default process group).
+        """``group`` itself when it is a :class:`CollectiveGroup`, else a new
+        wrapper of the torch process group ``group`` (default: the default one).
 
-        ``timeout`` only applies when the wrapper is created here; a group set up
-        by :func:`init_process_group_from_env` keeps its own.
+        The caller owns a new wrapper and closes it (see :meth:`borrow`).
+        ``timeout`` only applies to a new wrapper; it defaults to the process
+        group's own timeout.
         """
         if isinstance(group, CollectiveGroup):
             return group
@@ -200,14 +237,28 @@ class CollectiveGroup:
             )
         pg = group if group is not None else dist.group.WORLD
         assert pg is not None
-        key = getattr(pg, "group_name", str(id(pg)))
-        existing = _GROUPS.get(key)
-        if existing is not None and existing.process_group is pg and not existing._closed:
-            return existing
-        store = _default_store() if group is None or pg is dist.group.WORLD else None
-        wrapped = cls(pg, store=store, timeout=DEFAULT_TIMEOUT if timeout is None else timeout)
-        _GROUPS[key] = wrapped
-        return wrapped
+        store = default_store() if pg is dist.group.WORLD else None
+        limit = process_group_timeout(pg) if timeout is None else float(timeout)
+        return cls(pg, store=store, timeout=limit)
+
+    def sibling(self) -> CollectiveGroup:
+        """Another wrapper of the same process group, with its own operation
+        counter and check-ins: for operations issued from another thread than
+        this wrapper's (the caller closes it; it never destroys the group)."""
+        return CollectiveGroup(self.process_group, store=self._base_store, timeout=self.timeout)
+
+    @classmethod
+    @contextlib.contextmanager
+    def borrow(
+        cls, group: CollectiveGroup | dist.ProcessGroup | None = None
+    ) -> Iterator[CollectiveGroup]:
+        """:meth:`of` for one block: a wrapper made here is closed at its end."""
+        wrapper = cls.of(group)
+        try:
+            yield wrapper
+        finally:
+            if wrapper is not group:
+                wrapper.close()
 
     # ------------------------------------------------------------- operations
     def begin(self, name: str, timeout: float | None = None) -> Operation:
@@ -229,28 +280,56 @@ class CollectiveGroup:
     def wait(self, op: Operation, work: Any, peer: int | None) -> None:
         """Wait for ``work`` within ``op``'s deadline; ``peer`` is the rank it depends on.
 
-        Raises :class:`CollectiveTimeoutError` naming the missing ranks, or
-        :class:`WorkerFailedError` when the connection to ``peer`` was lost.
+        Raises :class:`CollectiveTimeoutError` or :class:`WorkerFailedError`
+        naming the rank(s) responsible (see :meth:`failure`).
         """
         remaining = op.remaining()
         try:
             finished = work.wait(timedelta(seconds=max(remaining, 0.001)))
-        except RuntimeError as exc:
-            text = str(exc)
-            if "timed out" in text.lower() or "timeout" in text.lower() or op.remaining() <= 0:
-                raise self._timeout_error(op, peer) from exc
-            self._broken = f"{op.name} failed"
-            who = f"rank {peer}" if peer is not None else "a peer"
-            raise WorkerFailedError(
-                f"[rank {self.rank}] {op.name}: communication with {who} failed ({text.strip()}); "
-                "that process probably died. The group is unusable: stop this process and "
-                "restart the job"
-            ) from exc
+        except RuntimeError as exc:  # c10d's errors (DistError) are RuntimeErrors
+            raise self.failure(op, peer, exc) from exc
         if finished is False:
-            raise self._timeout_error(op, peer)
+            raise self._timed_out(op, peer)
 
-    def _timeout_error(self, op: Operation, peer: int | None) -> CollectiveTimeoutError:
+    def failure(
+        self, op: Operation, peer: int | None, exc: BaseException
+    ) -> CollectiveTimeoutError | WorkerFailedError:
+        """The gradhub error for a c10d error raised during ``op`` (the only place
+        c10d errors of operations are translated); the group is broken after it."""
+        if _is_timeout(exc) or op.remaining() <= 0:
+            return self._timed_out(op, peer)
+        self._broken = f"{op.name} failed"
+        absent = self.missing_ranks(op.sequence)
+        silent, gave_up = self._roll_call(op)
+        if gave_up:
+            # A peer ran out of time and left: the cause is whom it waited for.
+            missing = absent or gave_up
+            detail = f"rank(s) {_ranks(gave_up)} gave up waiting and left"
+            if absent:
+                detail = f"not entered the operation; {detail}"
+            return self._log(CollectiveTimeoutError(op.name, missing, op.timeout, detail))
+        if silent:
+            who = _ranks(silent)
+            return self._log(
+                WorkerFailedError(
+                    f"[rank {self.rank}] rank(s) {who} died or stopped answering during "
+                    f"{op.name} ({str(exc).strip()})\n"
+                    f"- help: check the log of rank(s) {who}; restart the job "
+                    "(it resumes from the last checkpoint)"
+                )
+            )
+        who = f"rank {peer}" if peer is not None else "a peer"
+        return self._log(
+            WorkerFailedError(
+                f"[rank {self.rank}] {op.name}: communication with {who} failed "
+                f"({str(exc).strip()}); every rank answered the roll call afterwards. "
+                "The group is unusable: stop this process and restart the job"
+            )
+        )
+
+    def _timed_out(self, op: Operation, peer: int | None) -> CollectiveTimeoutError:
         self._broken = f"{op.name} timed out"
+        self._note(f"gave-up/{op.sequence}")
         absent = self.missing_ranks(op.sequence)
         if absent:
             missing = absent
@@ -264,29 +343,69 @@ class CollectiveGroup:
             )
         else:
             missing, detail = [], ""
-        err = CollectiveTimeoutError(op.name, missing, op.timeout, detail)
+        return self._log(CollectiveTimeoutError(op.name, missing, op.timeout, detail))
+
+    def _log(self, err: T) -> T:
         _log.error("[rank %d] %s", self.rank, err)
         return err
 
     def missing_ranks(self, sequence: int) -> list[int] | None:
         """Ranks whose last check-in is before operation ``sequence``; ``None`` when
         the store cannot be read (no store, or its host is gone)."""
-        if self._store is None:
+        if self.store is None:
             return None
         missing = []
         try:
             for r in range(self.world_size):
                 key = f"checkin/{r}"
-                if not self._store.check([key]) or int(self._store.get(key)) < sequence:
+                if not self.store.check([key]) or int(self.store.get(key)) < sequence:
                     missing.append(r)
         except (RuntimeError, ValueError) as exc:  # store host gone, or garbage
             _log.warning("[rank %d] cannot read check-ins: %s", self.rank, exc)
             return None
         return missing
 
+    def _roll_call(self, op: Operation) -> tuple[list[int], list[int]]:
+        """After a lost connection: answer, and wait (blocking on the store, at most
+        :data:`ROLL_CALL_GRACE` s) for the other ranks to answer too.
+
+        Returns the ranks that did not answer and the ranks that gave up on
+        ``op`` by their own timeout. Without a store the silent rank is unknown;
+        with the store's host gone, it is named (rank 0 under ``env://``).
+        """
+        if self.store is None:
+            return [], []
+        store = self.store
+        answer, gave_up = f"alive/{op.sequence}/", f"gave-up/{op.sequence}/"
+        deadline = time.monotonic() + min(ROLL_CALL_GRACE, op.timeout)
+        try:
+            store.set(f"{answer}{self.rank}", "1")
+            while True:
+                quitters = [r for r in range(self.world_size) if store.check([f"{gave_up}{r}"])]
+                silent = [r for r in range(self.world_size) if not store.check([f"{answer}{r}"])]
+                left = deadline - time.monotonic()
+                if quitters or not silent or left <= 0:
+                    return silent, quitters
+                with contextlib.suppress(RuntimeError):  # not all answered yet
+                    store.wait([f"{answer}{r}" for r in silent], timedelta(seconds=min(left, 0.2)))
+        except RuntimeError as exc:  # the store's host is gone
+            _log.debug("[rank %d] store unreachable during the roll call: %s", self.rank, exc)
+            return ([0] if self.rank != 0 else []), []
+
+    def _note(self, what: str) -> None:
+        """Write ``what/<rank>`` (and this rank's roll-call answer) into the store."""
+        if self.store is None:
+            return
+        sequence = what.rsplit("/", 1)[-1]
+        try:
+            self.store.set(f"{what}/{self.rank}", "1")
+            self.store.set(f"alive/{sequence}/{self.rank}", "1")
+        except RuntimeError as exc:
+            _log.debug("[rank %d] cannot write %s: %s", self.rank, what, exc)
+
     def _check_in(self, sequence: int) -> None:
-        if self._store is not None:
-            self._store.set(f"checkin/{self.rank}", str(sequence))
+        if self.store is not None:
+            self.store.set(f"checkin/{self.rank}", str(sequence))
 
     def submit(self, name: str, fn: Callable[[], T]) -> CollectiveFuture[T]:
         """Run ``fn`` on the group's worker thread, after every operation submitted
@@ -340,9 +459,6 @@ class CollectiveGroup:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
         self._scratch.clear()
-        for key, g in list(_GROUPS.items()):
-            if g is self:
-                del _GROUPS[key]
         if self._owns and dist.is_initialized():
             dist.destroy_process_group(self.process_group)
             _log.debug("[rank %d] process group destroyed", self.rank)
@@ -350,6 +466,11 @@ class CollectiveGroup:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def owns_process_group(self) -> bool:
+        """Whether :meth:`close` destroys the process group (this wrapper set it up)."""
+        return self._owns
 
     def __enter__(self) -> CollectiveGroup:
         return self
@@ -364,116 +485,5 @@ class CollectiveGroup:
         )
 
 
-_GROUPS: dict[str, CollectiveGroup] = {}
-"""One wrapper per live process group in this process (see :meth:`CollectiveGroup.of`)."""
-
-
-def _default_store() -> dist.Store | None:
-    # torch keeps the default group's store privately; use it when it is there.
-    getter = getattr(dist.distributed_c10d, "_get_default_store", None)
-    if getter is None:
-        return None
-    try:
-        store: dist.Store = getter()
-    except (RuntimeError, ValueError):
-        return None
-    return store
-
-
-def _pick_backend(backend: str | None) -> str:
-    if backend is None:
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise ValueError("backend 'nccl' needs CUDA, which is not available; use 'gloo'")
-    return backend
-
-
-def _start(
-    store: dist.Store, rank: int, world_size: int, backend: str, timeout: float, local_rank: int
-) -> CollectiveGroup:
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
-    dist.init_process_group(
-        backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
-    )
-    pg = dist.group.WORLD
-    assert pg is not None
-    group = CollectiveGroup(pg, store=store, timeout=timeout, owns_process_group=True)
-    _GROUPS[getattr(pg, "group_name", str(id(pg)))] = group
-    _log.info("[rank %d] %s process group of %d ready", rank, backend, world_size)
-    return group
-
-
-def init_process_group_from_env(
-    *,
-    backend: str | None = None,
-    timeout: float = DEFAULT_TIMEOUT,
-    env: Mapping[str, str] | None = None,
-) -> CollectiveGroup:
-    """Set up the default process group from the launcher's environment.
-
-    Reads ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (and
-    ``LOCAL_RANK`` to pick the GPU) from ``env`` (default ``os.environ``).
-    ``backend`` defaults to NCCL when CUDA is available, else gloo. If the
-    default group already exists it is wrapped and returned, so calling this
-    twice is harmless. ``timeout`` (seconds) bounds set-up and every operation.
-    """
-    environ = os.environ if env is None else env
-    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in environ]
-    if dist.is_initialized():
-        return CollectiveGroup.of(None, timeout=timeout)
-    if missing:
-        raise ValueError(
-            f"launcher environment incomplete: {', '.join(missing)} not set\n"
-            "- help: start the script with `gradhub run -n N script.py` or torchrun, "
-            "or use gradhub.collective.local_group(rank, world_size, port)"
-        )
-    backend = _pick_backend(backend)
-    rank, world_size = int(environ["RANK"]), int(environ["WORLD_SIZE"])
-    local_rank = int(environ.get("LOCAL_RANK", rank))
-    td = timedelta(seconds=timeout)
-    if env is None:
-        # The env:// rendezvous also handles torchrun's agent-hosted store.
-        store, rank, world_size = next(dist.rendezvous("env://", timeout=td))
-    else:
-        store = dist.TCPStore(
-            environ["MASTER_ADDR"],
-            int(environ["MASTER_PORT"]),
-            world_size,
-            is_master=rank == 0,
-            timeout=td,
-        )
-    return _start(store, rank, world_size, backend, timeout, local_rank)
-
-
-def local_group(
-    rank: int,
-    world_size: int,
-    port: int,
-    *,
-    backend: str | None = None,
-    timeout: float = DEFAULT_TIMEOUT,
-) -> CollectiveGroup:
-    """Set up the default process group on 127.0.0.1:``port`` (rank 0 hosts the store).
-
-    For tests, examples and benchmarks: every rank calls it with the same
-    ``world_size`` and ``port`` (see :func:`free_loopback_port`). Use it as a
-    context manager to tear the group down.
-    """
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-    backend = _pick_backend(backend)
-    store = dist.TCPStore(
-        "127.0.0.1", port, world_size, is_master=rank == 0, timeout=timedelta(seconds=timeout)
-    )
-    return _start(store, rank, world_size, backend, timeout, rank)
-
-
-def destroy_process_group() -> None:
-    """Close every gradhub group of this process and destroy the default process group."""
-    for group in list(_GROUPS.values()):
-        group.close()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in ranks)

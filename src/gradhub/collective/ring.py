@@ -104,21 +104,21 @@ def reduce_scatter(
     ``out`` may be this rank's own slice of ``tensor``: followed by
     ``all_gather(out, tensor.numel(), out=tensor)`` that is an in-place all-reduce.
     """
-    g = CollectiveGroup.of(group)
     c = codecs.get(codec)
-    flat = _flat_fp32(tensor, g.device)
-    return g.submit(
-        "reduce_scatter",
-        lambda: run_reduce_scatter(
-            g,
-            flat,
-            c,
-            out=out,
-            timeout=timeout,
-            pipeline=pipeline_elements,
-            small_bytes=small_bytes,
-        ),
-    ).wait()
+    with CollectiveGroup.borrow(group) as g:
+        flat = _flat_fp32(tensor, g.device)
+        return g.submit(
+            "reduce_scatter",
+            lambda: run_reduce_scatter(
+                g,
+                flat,
+                c,
+                out=out,
+                timeout=timeout,
+                pipeline=pipeline_elements,
+                small_bytes=small_bytes,
+            ),
+        ).wait()
 
 
 def all_gather(
@@ -137,24 +137,24 @@ def all_gather(
     ``partition`` must have this rank's slice length. ``out`` (``size`` fp32
     elements) is filled when given, else a new vector is returned.
     """
-    g = CollectiveGroup.of(group)
     c = codecs.get(codec)
-    flat = _flat_fp32(partition, g.device)
-    # fp32 on the wire: the slice is copied into place by the all-gather itself.
-    wire = flat if isinstance(c, codecs.NoCompression) else c.encode(flat)
-    return g.submit(
-        "all_gather",
-        lambda: run_all_gather(
-            g,
-            wire,
-            size,
-            c,
-            out=out,
-            timeout=timeout,
-            pipeline=pipeline_elements,
-            small_bytes=small_bytes,
-        ),
-    ).wait()
+    with CollectiveGroup.borrow(group) as g:
+        flat = _flat_fp32(partition, g.device)
+        # fp32 on the wire: the slice is copied into place by the all-gather itself.
+        wire = flat if isinstance(c, codecs.NoCompression) else c.encode(flat)
+        return g.submit(
+            "all_gather",
+            lambda: run_all_gather(
+                g,
+                wire,
+                size,
+                c,
+                out=out,
+                timeout=timeout,
+                pipeline=pipeline_elements,
+                small_bytes=small_bytes,
+            ),
+        ).wait()
 
 
 # ------------------------------------------------ bodies (on the worker thread)

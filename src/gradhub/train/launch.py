@@ -46,8 +46,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from gradhub.collective.group import free_loopback_port
 from gradhub.ps.config import ServerConfig
+from gradhub.runtime import free_loopback_port
 from gradhub.train.nodes import NodePlace, locate
 from gradhub.train.strategies.ps import ADDRESSES_KEY
 

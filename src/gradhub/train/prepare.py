@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 
 from gradhub.errors import ReplicasDivergedError
+from gradhub.runtime import Runtime, init
 from gradhub.train.distributed_optimizer import DistributedOptimizer
-from gradhub.train.runtime import Runtime, init
 from gradhub.train.strategies import Strategy, make_strategy
 from gradhub.train.wrapped_model import PreparedModel
 

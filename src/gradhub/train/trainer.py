@@ -40,10 +40,10 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from gradhub.merge import ModelUpdate, WorkerUpdate, merge_worker_updates, split_batch
+from gradhub.runtime import Runtime, init
 from gradhub.train.checkpoint import CheckpointDir, common_step
 from gradhub.train.logs import rank_logger
 from gradhub.train.metrics import MetricsWriter
-from gradhub.train.runtime import Runtime, init
 from gradhub.train.strategies import Strategy, check_name, make_strategy
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

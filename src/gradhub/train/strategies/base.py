@@ -9,7 +9,7 @@ strategy (one module each):
   with the model (already on ``runtime.device``), the user's optimizer (only
   its class, hyperparameters and live ``param_groups`` are used where it is not
   stepped itself; ``None`` is allowed only by the parameter-server strategies)
-  and the :class:`~gradhub.train.runtime.Runtime`. It makes every replica start
+  and the :class:`~gradhub.runtime.Runtime`. It makes every replica start
   from the same parameters.
 - Backward passes are watched through post-accumulate-grad hooks on every
   parameter. Outside :meth:`no_sync` a backward pass *synchronises*: the
@@ -59,7 +59,7 @@ import torch
 import torch.distributed as dist
 
 from gradhub.errors import ClosedError, MisuseError, StateError
-from gradhub.train.runtime import Runtime
+from gradhub.runtime import Runtime
 
 Closure = Callable[[], torch.Tensor]
 """Runs the forward pass on the local batch and returns its mean loss."""

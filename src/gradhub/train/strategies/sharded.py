@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from gradhub import codecs
-from gradhub.collective import AllReduceParameter, CollectiveGroup, ShardedOptimizer
+from gradhub.collective import AllReduceParameter, ShardedOptimizer
 from gradhub.optim import OptimizerSpec
 from gradhub.train.strategies.base import Strategy
 
@@ -93,8 +93,9 @@ class ShardedStrategy(Strategy):
         for p in self.params:  # parameters become views of the flat vector
             p.data = self._flat[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
-        group = CollectiveGroup.of(None, timeout=self.runtime.timeout)
-        self._arp = AllReduceParameter(size, group=group, compress=self.config.compress)
+        self._arp = AllReduceParameter(
+            size, group=self.runtime.group, compress=self.config.compress
+        )
         self._arp.init(self._flat)
         sizes = [sum(p.numel() for p in g) for g in self._groups]
         self._opt = ShardedOptimizer(self._arp, spec, group_sizes=sizes)

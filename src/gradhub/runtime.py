@@ -1,0 +1,320 @@
+"""The job's runtime: environment, backend, process group, store, one timeout.
+
+Every subsystem joins the job through this module:
+
+- :func:`init` (``gradhub.init()``): a training script calls it once. It reads
+  torchrun's standard environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+  ``MASTER_ADDR``, ``MASTER_PORT``) and nothing else, sets up the default
+  process group (gloo on CPU, NCCL on GPU) and returns a :class:`Runtime`
+  that strategies and the trainer take their rank, device, store and
+  :class:`~gradhub.collective.group.CollectiveGroup` from.
+- :func:`init_process_group_from_env` does the same for code that only needs
+  the group; :func:`local_group` sets one up on 127.0.0.1 with a given port,
+  without touching the environment (tests, examples, benchmarks).
+
+Decisions:
+
+- **One default timeout**, :data:`DEFAULT_TIMEOUT` (300 s, torch's store
+  default: collectives on big models after a slow first step need room). A
+  process group the user created is adopted with its own timeout
+  (``init_process_group(timeout=...)``) unless ``timeout=`` is given.
+- Without ``RANK``/``WORLD_SIZE`` (a plain ``python script.py``) :func:`init`
+  makes a one-process job: a world-size-1 group on an in-memory store, so
+  every strategy runs the same code path with nothing to launch.
+- A group that is already initialised (by the user or an earlier ``init``) is
+  adopted, not re-created; closing the runtime then leaves it alone.
+- Naming the rank that failed and translating c10d errors happen in one
+  place, :meth:`CollectiveGroup.failure`, through the check-in store; the
+  runtime's own waits (:meth:`Runtime.wait`) go through its group.
+- The c10d store is exposed because it is how ranks find out about each other
+  beyond collectives (check-ins, and the parameter-server addresses that
+  ``gradhub run --servers`` publishes).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradhub.collective.group import CollectiveGroup, default_store
+from gradhub.errors import ClosedError, LaunchEnvironmentError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT = 300.0
+"""Seconds set-up and any collective may take before it is an error, when
+neither the caller nor the user's own process group says otherwise."""
+
+_LAUNCH_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def free_loopback_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def pick_backend(backend: str | None) -> str:
+    """``backend`` checked, or NCCL when CUDA is available and gloo otherwise."""
+    if backend is None:
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("backend 'nccl' needs CUDA, which is not available; use 'gloo'")
+    return backend
+
+
+def _check_timeout(timeout: float | None) -> None:
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+
+
+def _env_int(environ: Mapping[str, str], name: str, default: int) -> int:
+    raw = environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise LaunchEnvironmentError(
+            f"environment variable {name}={raw!r} is not an integer"
+        ) from None
+
+
+def _launch_env(environ: Mapping[str, str]) -> tuple[int, int, int]:
+    """``(rank, world_size, local_rank)`` from a launcher's complete environment."""
+    missing = [k for k in _LAUNCH_KEYS if k not in environ]
+    if missing:
+        raise LaunchEnvironmentError(
+            f"launcher environment incomplete: {', '.join(missing)} not set\n"
+            "- help: start the script with `gradhub run -n N script.py` or torchrun, "
+            "or use gradhub.collective.local_group(rank, world_size, port)"
+        )
+    rank, world_size = _env_int(environ, "RANK", 0), _env_int(environ, "WORLD_SIZE", 1)
+    if not 0 <= rank < world_size:
+        raise LaunchEnvironmentError(f"RANK={rank} is outside [0, WORLD_SIZE={world_size})")
+    return rank, world_size, _env_int(environ, "LOCAL_RANK", rank)
+
+
+def _start(
+    store: dist.Store, rank: int, world_size: int, backend: str, timeout: float, local_rank: int
+) -> CollectiveGroup:
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+    )
+    pg = dist.group.WORLD
+    assert pg is not None
+    group = CollectiveGroup(pg, store=store, timeout=timeout, owns_process_group=True)
+    log.info("[rank %d] %s process group of %d ready", rank, backend, world_size)
+    return group
+
+
+def init_process_group_from_env(
+    *,
+    backend: str | None = None,
+    timeout: float | None = None,
+    env: Mapping[str, str] | None = None,
+) -> CollectiveGroup:
+    """Set up the default process group from the launcher's environment.
+
+    Reads ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (and
+    ``LOCAL_RANK`` to pick the GPU) from ``env`` (default ``os.environ``).
+    ``backend`` defaults to NCCL when CUDA is available, else gloo.
+    ``timeout`` (seconds, default :data:`DEFAULT_TIMEOUT`) bounds set-up and
+    every operation. If the default group already exists it is wrapped (with
+    its own timeout unless ``timeout`` is given), so calling this twice is
+    harmless. The caller owns the returned group: close it (or ``with``).
+    """
+    _check_timeout(timeout)
+    if dist.is_initialized():
+        return CollectiveGroup.of(None, timeout=timeout)
+    environ = os.environ if env is None else env
+    rank, world_size, local_rank = _launch_env(environ)
+    backend = pick_backend(backend)
+    limit = DEFAULT_TIMEOUT if timeout is None else float(timeout)
+    td = timedelta(seconds=limit)
+    if env is None:
+        # The env:// rendezvous also handles torchrun's agent-hosted store.
+        store, rank, world_size = next(dist.rendezvous("env://", timeout=td))
+    else:
+        store = dist.TCPStore(
+            environ["MASTER_ADDR"],
+            int(environ["MASTER_PORT"]),
+            world_size,
+            is_master=rank == 0,
+            timeout=td,
+        )
+    return _start(store, rank, world_size, backend, limit, local_rank)
+
+
+def local_group(
+    rank: int,
+    world_size: int,
+    port: int,
+    *,
+    backend: str | None = None,
+    timeout: float | None = None,
+) -> CollectiveGroup:
+    """Set up the default process group on 127.0.0.1:``port`` (rank 0 hosts the store).
+
+    For tests, examples and benchmarks: every rank calls it with the same
+    ``world_size`` and ``port`` (see :func:`free_loopback_port`). Use it as a
+    context manager to tear the group down. ``timeout`` defaults to
+    :data:`DEFAULT_TIMEOUT`.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    _check_timeout(timeout)
+    backend = pick_backend(backend)
+    limit = DEFAULT_TIMEOUT if timeout is None else float(timeout)
+    store = dist.TCPStore(
+        "127.0.0.1", port, world_size, is_master=rank == 0, timeout=timedelta(seconds=limit)
+    )
+    return _start(store, rank, world_size, backend, limit, rank)
+
+
+def destroy_process_group() -> None:
+    """Destroy the default process group, if there is one.
+
+    Groups from :func:`local_group` or :func:`init_process_group_from_env`
+    do this when closed; this is for a group whose wrapper was dropped.
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@dataclass(kw_only=True)
+class Runtime:
+    """Where this process stands in the job.
+
+    Use as a context manager or call :meth:`close` to tear the group down.
+    """
+
+    rank: int
+    """This process's rank in ``[0, world_size)``."""
+    world_size: int
+    """Number of training processes in the job."""
+    local_rank: int
+    """Rank on this machine; picks the GPU."""
+    device: torch.device
+    """Where the model and batches go."""
+    backend: str
+    """c10d backend of the default group: ``"gloo"`` or ``"nccl"``."""
+    timeout: float
+    """Seconds any collective may take before it is an error."""
+    store: dist.Store = field(repr=False)
+    """The c10d key-value store shared by every rank of the job."""
+    group: CollectiveGroup = field(repr=False)
+    """The default process group with its check-ins; collectives of the job use it."""
+    owns_group: bool = field(default=True, repr=False)
+    """Whether :meth:`close` destroys the process group (this runtime created it)."""
+    _closed: bool = field(default=False, repr=False)
+    _waits: CollectiveGroup | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        # The runtime's own waits run on the caller's thread while operations
+        # of ``group`` run on its worker thread: separate counters keep each
+        # one's numbering (and ring message tags) in step across ranks.
+        self._waits = self.group.sibling()
+
+    @property
+    def is_main(self) -> bool:
+        """True on rank 0, the rank that logs progress and writes shared files."""
+        return self.rank == 0
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("this gradhub runtime was closed; call gradhub.init() again")
+
+    def wait(self, work: Any, operation: str, *, where: str = "") -> None:
+        """Wait for an asynchronous c10d work item, at most :attr:`timeout` seconds.
+
+        A failure is a :class:`~gradhub.errors.WorkerFailedError` or
+        :class:`~gradhub.errors.CollectiveTimeoutError` naming the rank(s)
+        responsible; ``where`` (e.g. ``"step 12"``) makes the message specific.
+        """
+        assert self._waits is not None
+        op = self._waits.begin(f"{operation} at {where}" if where else operation)
+        self._waits.wait(op, work, None)
+
+    def all_reduce_sum(self, tensor: torch.Tensor, *, where: str = "") -> torch.Tensor:
+        """Sum ``tensor`` over every rank in place (bounded wait); returns it."""
+        if self.world_size > 1:
+            self.wait(dist.all_reduce(tensor, async_op=True), "all_reduce", where=where)
+        return tensor
+
+    def close(self) -> None:
+        """Close the group; destroy the process group if this runtime created it.
+        Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._waits is not None:
+            self._waits.close()
+        self.group.close()
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def init(*, backend: str | None = None, timeout: float | None = None) -> Runtime:
+    """Join the job: read torchrun's environment and set up the process group.
+
+    ``backend`` defaults to NCCL when CUDA is available and gloo otherwise.
+    ``timeout`` bounds every collective of the job (seconds; default
+    :data:`DEFAULT_TIMEOUT`, or the timeout of a process group the user set
+    up already); a rank that stops answering makes the others fail within it
+    instead of hanging.
+    """
+    _check_timeout(timeout)
+    backend = pick_backend(backend)
+    launched = "RANK" in os.environ or "WORLD_SIZE" in os.environ
+    if dist.is_initialized():
+        group = CollectiveGroup.of(None, timeout=timeout)
+        local_rank = _env_int(os.environ, "LOCAL_RANK", group.rank)
+    elif launched:
+        local_rank = _launch_env(os.environ)[2]
+        group = init_process_group_from_env(backend=backend, timeout=timeout)
+    else:
+        local_rank = 0
+        limit = DEFAULT_TIMEOUT if timeout is None else float(timeout)
+        group = _start(dist.HashStore(), 0, 1, backend, limit, 0)
+    if group.backend == "nccl":
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    store = default_store()
+    assert store is not None, "torch keeps the default group's store"
+    runtime = Runtime(
+        rank=group.rank,
+        world_size=group.world_size,
+        local_rank=local_rank,
+        device=device,
+        backend=group.backend,
+        timeout=group.timeout,
+        store=store,
+        group=group,
+        owns_group=group.owns_process_group,
+    )
+    log.debug("rank %d: joined %s", runtime.rank, runtime)
+    return runtime
