@@ -53,13 +53,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from gradhub.collective.operation import CollectiveFuture, Operation
 from gradhub.errors import (
     ClosedError,
     CollectiveTimeoutError,
@@ -67,11 +67,9 @@ from gradhub.errors import (
     WorkerFailedError,
 )
 
-_log = logging.getLogger("gradhub.collective")
+__all__ = ["CollectiveFuture", "CollectiveGroup", "Operation"]
 
-_FUTURE_GRACE = 10.0
-"""Seconds a future waits beyond its operation's own deadline before it gives up
-on the worker thread."""
+_log = logging.getLogger("gradhub.collective")
 
 ROLL_CALL_GRACE = 5.0
 """Seconds the survivors of a lost connection wait for each other to answer the
@@ -107,65 +105,6 @@ def default_store() -> dist.Store | None:
 def _is_timeout(exc: BaseException) -> bool:
     text = str(exc).lower()
     return "timed out" in text or "timeout" in text
-
-
-@dataclass
-class Operation:
-    """One collective in progress: its name, sequence number and deadline."""
-
-    name: str
-    sequence: int
-    timeout: float
-    deadline: float
-
-    def remaining(self) -> float:
-        return self.deadline - time.monotonic()
-
-
-class CollectiveFuture(Generic[T]):
-    """The result of an operation running on a group's worker thread.
-
-    ``wait()`` returns the result or raises the operation's error. It never
-    waits forever: an operation is bounded by its own timeout once it starts,
-    and operations queued before it are bounded by theirs.
-    """
-
-    def __init__(self, operation: str, timeout: float):
-        self._future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        self._operation = operation
-        self._timeout = timeout
-        self._started: float | None = None
-
-    def _mark_started(self) -> None:
-        self._started = time.monotonic()
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def wait(self, timeout: float | None = None) -> T:
-        """The operation's result. ``timeout`` bounds this call in seconds; by
-        default it waits as long as the operation (and those before it) may take."""
-        begin = time.monotonic()
-        while True:
-            # Poll with concurrent.futures.wait: result(timeout=) raises TimeoutError
-            # on expiry, which CollectiveTimeoutError (the operation's own error)
-            # also is, and the two must not be confused.
-            done, _ = concurrent.futures.wait([self._future], timeout=0.5)
-            if done:
-                return self._future.result()
-            now = time.monotonic()
-            if timeout is not None and now - begin >= timeout:
-                raise CollectiveTimeoutError(
-                    self._operation, [], timeout, "the caller's wait ran out first"
-                )
-            started = self._started
-            if started is not None and now - started > self._timeout + _FUTURE_GRACE:
-                raise CollectiveTimeoutError(
-                    self._operation,
-                    [],
-                    self._timeout,
-                    "the operation did not return past its own deadline",
-                )
 
 
 class CollectiveGroup:

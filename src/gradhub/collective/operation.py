@@ -1,0 +1,80 @@
+"""One collective operation in progress, and the future of one that runs later.
+
+:class:`Operation` carries an operation's name, sequence number and deadline
+(:meth:`gradhub.collective.group.CollectiveGroup.begin` makes one);
+:class:`CollectiveFuture` is what the group's worker thread hands back.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from gradhub.errors import CollectiveTimeoutError
+
+_FUTURE_GRACE = 10.0
+"""Seconds a future waits beyond its operation's own deadline before it gives up
+on the worker thread."""
+
+T = TypeVar("T")
+
+
+@dataclass
+class Operation:
+    """One collective in progress: its name, sequence number and deadline."""
+
+    name: str
+    sequence: int
+    timeout: float
+    deadline: float
+
+    def remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+class CollectiveFuture(Generic[T]):
+    """The result of an operation running on a group's worker thread.
+
+    ``wait()`` returns the result or raises the operation's error. It never
+    waits forever: an operation is bounded by its own timeout once it starts,
+    and operations queued before it are bounded by theirs.
+    """
+
+    def __init__(self, operation: str, timeout: float):
+        self._future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._operation = operation
+        self._timeout = timeout
+        self._started: float | None = None
+
+    def _mark_started(self) -> None:
+        self._started = time.monotonic()
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> T:
+        """The operation's result. ``timeout`` bounds this call in seconds; by
+        default it waits as long as the operation (and those before it) may take."""
+        begin = time.monotonic()
+        while True:
+            # Poll with concurrent.futures.wait: result(timeout=) raises TimeoutError
+            # on expiry, which CollectiveTimeoutError (the operation's own error)
+            # also is, and the two must not be confused.
+            done, _ = concurrent.futures.wait([self._future], timeout=0.5)
+            if done:
+                return self._future.result()
+            now = time.monotonic()
+            if timeout is not None and now - begin >= timeout:
+                raise CollectiveTimeoutError(
+                    self._operation, [], timeout, "the caller's wait ran out first"
+                )
+            started = self._started
+            if started is not None and now - started > self._timeout + _FUTURE_GRACE:
+                raise CollectiveTimeoutError(
+                    self._operation,
+                    [],
+                    self._timeout,
+                    "the operation did not return past its own deadline",
+                )
