@@ -44,7 +44,7 @@ from gradhub.train.wrapped_model import PreparedModel
 
 def prepare(
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None,
     *,
     strategy: str | Strategy = "allreduce",
     runtime: Runtime | None = None,
@@ -54,13 +54,15 @@ def prepare(
 
     ``options`` go to the strategy (``bucket_mb=``, ``compress=``,
     ``servers=``, ...). Returns ``(model, optimizer)`` to use in their place.
+    ``optimizer=None`` is accepted by the ``ps-*`` strategies only: the
+    servers then use the optimizer they were started with.
     """
     if isinstance(model, PreparedModel):
         raise TypeError("this model was already prepared; pass the original module")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(
-        optimizer, DistributedOptimizer
+    if isinstance(optimizer, DistributedOptimizer) or not (
+        optimizer is None or isinstance(optimizer, torch.optim.Optimizer)
     ):
         raise TypeError(
             "optimizer must be the script's torch.optim.Optimizer, built over model.parameters()"
@@ -73,8 +75,10 @@ def prepare(
         impl = strategy
     runtime = runtime if runtime is not None else init()
     model.to(runtime.device)
-    impl.setup(model, optimizer, runtime)
-    return PreparedModel(model, impl), DistributedOptimizer(optimizer, impl)
+    impl.setup(model, optimizer, runtime)  # None: only ps-*, which then use the servers' own
+    # Under ps-* without an optimizer, a stand-in that is never stepped keeps the API whole.
+    shown = optimizer if optimizer is not None else torch.optim.SGD(model.parameters(), lr=0.0)
+    return PreparedModel(model, impl), DistributedOptimizer(shown, impl)
 
 
 def _strategy_of(model: Any) -> Strategy:

@@ -7,17 +7,15 @@ Two faces of one class (DESIGN 4 and 7):
 - ``DataParallelTrainer(model, optimizer, strategy="allreduce").fit(...)``,
   run in every process of a job (``gradhub run -n N script.py`` or torchrun).
 
-How ``fit`` splits the data: every epoch all ranks draw the same permutation
-(from ``seed`` and the epoch number), cut it into global batches of
-``batch_size`` samples, and split each global batch round-robin with
-:func:`~gradhub.merge.split_batch`; rank r trains on part r. The strategy
-weights each rank's gradient by its samples, so a step equals one
-single-process step on the whole global batch, and the last, short batch is
-exact too.
+``fit`` is built on :func:`gradhub.prepare`: the model and optimizer are
+prepared once, and every step is the own loop a user would write
+(:mod:`gradhub.train.fit` says how batches, losses and metrics are handled;
+:mod:`gradhub.train.data` which data it takes and how it is split).
 
 Decisions where the design was silent:
-- ``batch_size`` is the *global* batch size (what a single process would use);
-  smaller than the number of ranks is an error before any work.
+- ``batch_size`` is the *global* batch size (what a single process would use)
+  for tensors and datasets; a ``DataLoader`` keeps its own per-rank batch
+  size. Smaller than the number of ranks is an error before any work.
 - A resumed job continues at the step after the latest checkpoint that every
   rank has (data order depends only on seed, epoch and step, so the same
   batches follow). Random state of the model itself (dropout) is not restored.
@@ -27,26 +25,20 @@ Decisions where the design was silent:
 
 from __future__ import annotations
 
-import math
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-import torch.distributed as dist
-from tqdm import tqdm
-
 from gradhub.merge import ModelUpdate, WorkerUpdate, merge_worker_updates, split_batch
 from gradhub.runtime import Runtime, init
-from gradhub.train.checkpoint import CheckpointDir, common_step
-from gradhub.train.logs import rank_logger
-from gradhub.train.metrics import MetricsWriter
+from gradhub.train.data import Source
+from gradhub.train.distributed_optimizer import DistributedOptimizer
+from gradhub.train.fit import FitRun, LossFn, Metric, default_loss
+from gradhub.train.prepare import prepare
 from gradhub.train.strategies import Strategy, check_name, make_strategy
+from gradhub.train.wrapped_model import PreparedModel
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 StepCallback = Callable[[int, dict[str, Any]], None]
 
 
@@ -74,9 +66,37 @@ class FitConfig:
     """Show a progress bar on rank 0."""
     log_every: int = 1
     """Write a step record every this many steps."""
+    eval_batch_size: int | None = None
+    """Global batch size of evaluation; ``None``: ``batch_size``."""
+    grad_clip: float | None = None
+    """Clip the combined gradient to this global norm before each step."""
+    accumulate: int = 1
+    """Micro-batches per optimizer step (gradient accumulation)."""
+    lr_scheduler: Any = None
+    """An LR scheduler over the trainer's optimizer, or ``optimizer -> scheduler``."""
+    scheduler_interval: str = "step"
+    """Step the scheduler after every optimizer ``"step"`` or every ``"epoch"``."""
+    precision: str = "fp32"
+    """``"fp32"`` or ``"bf16"`` (forward and loss under autocast)."""
+    metrics: Sequence[str | Metric] = ("accuracy",)
+    """``"accuracy"`` (reported where it applies) and callables ``fn(output, batch)``."""
 
     def __post_init__(self) -> None:
-        for name in ("epochs", "batch_size", "log_every"):
+        if self.scheduler_interval not in ("step", "epoch"):
+            raise ValueError(
+                f"scheduler_interval is 'step' or 'epoch', got {self.scheduler_interval!r}"
+            )
+        if self.precision not in ("fp32", "bf16"):
+            raise ValueError(
+                f"precision is 'fp32' or 'bf16', got {self.precision!r}\n- help: fp16 needs "
+                "loss scaling; use bf16"
+            )
+        for m in self.metrics:
+            if isinstance(m, str) and m != "accuracy":
+                raise ValueError(f"unknown metric {m!r}; give 'accuracy' or a callable")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ValueError(f"grad_clip must be > 0, got {self.grad_clip}")
+        for name in ("epochs", "batch_size", "log_every", "accumulate"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.checkpoint_every < 0:
@@ -108,24 +128,6 @@ class FitResult:
     """Global training samples per second over this call."""
     history: list[dict[str, Any]] = field(default_factory=list)
     """One record per epoch."""
-
-
-def _as_columns(data: Any, what: str) -> tuple[torch.Tensor, torch.Tensor]:
-    if hasattr(data, "tensors"):  # torch.utils.data.TensorDataset
-        data = tuple(data.tensors)
-    if not (isinstance(data, (tuple, list)) and len(data) == 2):
-        raise TypeError(f"{what} must be a pair (inputs, targets) of tensors or NumPy arrays")
-    cols = [
-        torch.from_numpy(np.ascontiguousarray(c)) if isinstance(c, np.ndarray) else c for c in data
-    ]
-    if not all(isinstance(c, torch.Tensor) for c in cols):
-        raise TypeError(f"{what} must be a pair (inputs, targets) of tensors or NumPy arrays")
-    if cols[0].shape[0] != cols[1].shape[0] or cols[0].shape[0] == 0:
-        raise ValueError(
-            f"{what}: inputs and targets need the same, non-zero number of samples, "
-            f"got {cols[0].shape[0]} and {cols[1].shape[0]}"
-        )
-    return cols[0], cols[1]
 
 
 class DataParallelTrainer:
@@ -162,6 +164,7 @@ class DataParallelTrainer:
         self.runtime = runtime
         self._owns_runtime = False
         self._impl: Strategy | None = None if isinstance(strategy, str) else strategy
+        self._prepared: tuple[PreparedModel, DistributedOptimizer] | None = None
 
     # split and merge (DESIGN 4) -------------------------------------------------------
 
@@ -177,18 +180,19 @@ class DataParallelTrainer:
 
     # training jobs (DESIGN 7) ---------------------------------------------------------
 
-    def _prepare(self) -> tuple[Runtime, Strategy]:
+    def _prepare(self) -> tuple[Runtime, PreparedModel, DistributedOptimizer]:
         if self.model is None:
             raise ValueError("fit() needs DataParallelTrainer(model, optimizer, strategy=...)")
-        if self._impl is None:
-            self._impl = make_strategy(self.strategy, **self.options)
         if self.runtime is None:
             self.runtime = init()
             self._owns_runtime = True
-        if self._impl._runtime is None:
-            self.model.to(self.runtime.device)
-            self._impl.setup(self.model, self.optimizer, self.runtime)
-        return self.runtime, self._impl
+        if self._prepared is None:
+            if self._impl is None:
+                self._impl = make_strategy(self.strategy, **self.options)
+            self._prepared = prepare(
+                self.model, self.optimizer, strategy=self._impl, runtime=self.runtime
+            )
+        return self.runtime, *self._prepared
 
     def fit(
         self,
@@ -197,30 +201,58 @@ class DataParallelTrainer:
         eval_data: Any = None,
         loss_fn: LossFn | None = None,
         on_step: StepCallback | None = None,
+        on_epoch: StepCallback | None = None,
+        on_eval: StepCallback | None = None,
         config: FitConfig | None = None,
         **settings: Any,
     ) -> FitResult:
-        """Train on ``train_data`` = (inputs, targets); run in every process of the job.
+        """Train on ``train_data``; run in every process of the job.
 
-        ``settings`` are :class:`FitConfig` fields (``epochs=``, ``batch_size=``,
-        ``run_dir=``, ``checkpoint_dir=``, ``resume=``, ...). ``loss_fn(output,
-        target)`` returns a mean loss (cross-entropy by default). ``on_step(step,
-        record)`` is called after every step.
+        ``train_data`` / ``eval_data``: ``(inputs, targets)`` tensors or arrays,
+        a ``Dataset``, an ``IterableDataset`` or a ``DataLoader`` (see
+        :mod:`gradhub.train.data`). ``settings`` are :class:`FitConfig` fields
+        (``epochs=``, ``batch_size=``, ``grad_clip=``, ``accumulate=``,
+        ``lr_scheduler=``, ``run_dir=``, ``checkpoint_dir=``, ``resume=``, ...).
+        ``loss_fn(output, batch)`` returns a mean loss (default: see
+        :mod:`gradhub.train.fit`). ``on_step(step, record)`` is called after every
+        step, ``on_epoch(epoch, record)`` after every epoch, ``on_eval(epoch,
+        record)`` after every evaluation.
         """
         if config is not None and settings:
             raise TypeError("pass either config= or keyword settings, not both")
-        unknown = set(settings) - {f.name for f in fields(FitConfig)}
+        valid = sorted(f.name for f in fields(FitConfig))
+        unknown = set(settings) - set(valid)
         if unknown:
-            raise TypeError(f"unknown fit setting(s): {', '.join(sorted(unknown))}")
+            raise TypeError(
+                f"unknown fit setting(s): {', '.join(sorted(unknown))}\n- help: valid settings "
+                f"are {', '.join(valid)}; and the arguments eval_data, loss_fn, on_step, "
+                "on_epoch, on_eval, config"
+            )
         cfg = config or FitConfig(**settings)
-        x_train, y_train = _as_columns(train_data, "train_data")
-        evals = _as_columns(eval_data, "eval_data") if eval_data is not None else None
-        runtime, strategy = self._prepare()
-        if cfg.batch_size < runtime.world_size:
-            raise ValueError(self._batch_error(cfg.batch_size, runtime.world_size))
-        return _Fit(self, runtime, strategy, cfg, loss_fn or torch.nn.functional.cross_entropy)(
-            x_train, y_train, evals, on_step
+
+        def source(data: Any, what: str, batch_size: int) -> Source:
+            return Source(
+                data, what=what, batch_size=batch_size, seed=cfg.seed, shuffle=cfg.shuffle
+            )
+
+        # Data is checked before any process-group work.
+        train = source(train_data, "train_data", cfg.batch_size)
+        evals = (
+            source(eval_data, "eval_data", cfg.eval_batch_size or cfg.batch_size)
+            if eval_data is not None
+            else None
         )
+        rt, model, optimizer = self._prepare()
+        if cfg.batch_size < rt.world_size:
+            raise ValueError(self._batch_error(cfg.batch_size, rt.world_size))
+        for src in (train, evals):
+            if src is not None:
+                src.rank, src.world = rt.rank, rt.world_size
+        scheduler = cfg.lr_scheduler
+        if scheduler is not None and not hasattr(scheduler, "step"):
+            scheduler = scheduler(optimizer)
+        run = FitRun(model, optimizer, rt, cfg, loss_fn or default_loss, scheduler)
+        return run.run(train, evals, on_step, on_epoch, on_eval)
 
     @staticmethod
     def _batch_error(batch_size: int, world: int) -> str:
@@ -245,236 +277,3 @@ class DataParallelTrainer:
     def __repr__(self) -> str:
         model = type(self.model).__name__ if self.model is not None else None
         return f"DataParallelTrainer(model={model}, strategy={self.strategy!r})"
-
-
-class _Fit:
-    """One call of ``fit``: the loop, metrics, evaluation and checkpoints."""
-
-    def __init__(
-        self,
-        trainer: DataParallelTrainer,
-        runtime: Runtime,
-        strategy: Strategy,
-        cfg: FitConfig,
-        loss_fn: LossFn,
-    ) -> None:
-        self.model: torch.nn.Module = trainer.model
-        self.rt, self.strategy, self.cfg, self.loss_fn = runtime, strategy, cfg, loss_fn
-        self.log = rank_logger(__name__, runtime.rank)
-        self.metrics = MetricsWriter(cfg.run_dir, runtime.rank)
-        self.ckpt = (
-            CheckpointDir(path=cfg.checkpoint_dir, rank=runtime.rank)
-            if cfg.checkpoint_dir is not None
-            else None
-        )
-
-    def __call__(
-        self,
-        x: torch.Tensor,
-        y: torch.Tensor,
-        evals: tuple[torch.Tensor, torch.Tensor] | None,
-        on_step: StepCallback | None,
-    ) -> FitResult:
-        try:
-            return self._run(x, y, evals, on_step)
-        finally:
-            self.metrics.close()
-
-    def _batches(self, n: int, epoch: int) -> list[torch.Tensor]:
-        if self.cfg.shuffle:
-            g = torch.Generator().manual_seed(self.cfg.seed * 100_003 + epoch)
-            order = torch.randperm(n, generator=g)
-        else:
-            order = torch.arange(n)
-        return list(order.split(self.cfg.batch_size))
-
-    def _resume(self) -> int:
-        if not (self.cfg.resume and self.ckpt is not None):
-            return 0
-        mine = self.ckpt.steps()
-        everyone: list[list[int]] = [[] for _ in range(self.rt.world_size)]
-        if self.rt.world_size > 1:
-            dist.all_gather_object(everyone, mine)
-        else:
-            everyone = [mine]
-        step = common_step(everyone)
-        if step is None:
-            self.log.info("no checkpoint that every rank has in %s: starting fresh", self.ckpt.path)
-            return 0
-        state = self.ckpt.load(step)
-        if state.get("world_size") != self.rt.world_size and self.strategy.name == "sharded":
-            raise ValueError(
-                f"checkpoint of step {step} was written by {state.get('world_size')} ranks, "
-                f"this job has {self.rt.world_size}; sharded optimizer state cannot be re-split"
-            )
-        self.model.load_state_dict(state["model"])
-        self.strategy.load_state_dict(state["strategy"])
-        self.log.info("resumed from step %d (%s)", step, self.ckpt.file(step))
-        return step
-
-    def _save(self, step: int) -> None:
-        if self.ckpt is None:
-            return
-        self.strategy.refresh()
-        state = {
-            "world_size": self.rt.world_size,
-            "model": self.model.state_dict(),
-            "strategy": self.strategy.state_dict(),
-        }
-        path = self.ckpt.save(step, state)
-        self.log.debug("checkpoint of step %d written to %s", step, path)
-
-    def _evaluate(self, data: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        """Local [loss sum, correct, count] on this rank's share of ``data``."""
-        out = torch.zeros(3, dtype=torch.float64)
-        if data is None:
-            return out
-        x, y = data
-        mine = split_batch(torch.arange(x.shape[0]), self.rt.world_size)[self.rt.rank]
-        self.strategy.refresh()
-        self.model.eval()
-        with torch.no_grad():
-            for chunk in mine.split(1024):
-                xb, yb = x[chunk].to(self.rt.device), y[chunk].to(self.rt.device)
-                output = self.model(xb)
-                out[0] += float(self.loss_fn(output, yb)) * len(chunk)
-                out[1] += _correct(output, yb)
-                out[2] += len(chunk)
-        self.model.train()
-        return out
-
-    def _run(
-        self,
-        x: torch.Tensor,
-        y: torch.Tensor,
-        evals: tuple[torch.Tensor, torch.Tensor] | None,
-        on_step: StepCallback | None,
-    ) -> FitResult:
-        rt, cfg = self.rt, self.cfg
-        n = x.shape[0]
-        per_epoch = math.ceil(n / cfg.batch_size)
-        total = per_epoch * cfg.epochs
-        start = self._resume()
-        step = start
-        self.model.train()
-        bar = tqdm(
-            total=total,
-            initial=start,
-            disable=not (cfg.progress and rt.is_main),
-            desc=f"{self.strategy.name} x{rt.world_size}",
-            unit="step",
-            leave=False,
-        )
-        history: list[dict[str, Any]] = []
-        t0 = time.perf_counter()
-        global_seen = 0
-        stats = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, count (this epoch)
-        try:
-            for epoch in range(start // per_epoch, cfg.epochs):
-                batches = self._batches(n, epoch)
-                first = start - epoch * per_epoch if epoch == start // per_epoch else 0
-                stats.zero_()
-                for b in range(first, per_epoch):
-                    record = self._step(x, y, batches[b], stats)
-                    step += 1
-                    global_seen += len(batches[b])
-                    elapsed = time.perf_counter() - t0
-                    record.update(step=step, epoch=epoch, samples_per_s=global_seen / elapsed)
-                    if step % cfg.log_every == 0:
-                        self.metrics.write("step", **record)
-                    bar.update(1)
-                    if bar.disable is False:
-                        bar.set_postfix(
-                            refresh=False,
-                            loss=f"{record['loss']:.3f}",
-                            samples_s=f"{record['samples_per_s']:.0f}",
-                        )
-                    if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-                        self._save(step)
-                    if on_step is not None:
-                        on_step(step, record)
-                history.append(self._end_epoch(epoch, step, stats, evals, t0, global_seen))
-                if not cfg.checkpoint_every:
-                    self._save(step)
-        finally:
-            bar.close()
-        wall = time.perf_counter() - t0
-        last = history[-1] if history else {}
-        result = FitResult(
-            strategy=self.strategy.name,
-            world_size=rt.world_size,
-            start_step=start,
-            steps=step,
-            train_loss=last.get("train_loss", math.nan),
-            train_accuracy=last.get("train_accuracy"),
-            eval_loss=last.get("eval_loss"),
-            eval_accuracy=last.get("eval_accuracy"),
-            wall_time=wall,
-            samples_per_s=global_seen / wall if wall > 0 else 0.0,
-            history=history,
-        )
-        self.metrics.write("summary", **{k: v for k, v in asdict(result).items() if k != "history"})
-        return result
-
-    def _step(
-        self, x: torch.Tensor, y: torch.Tensor, batch: torch.Tensor, stats: torch.Tensor
-    ) -> dict[str, Any]:
-        mine = split_batch(batch, self.rt.world_size)[self.rt.rank]
-        xb, yb = x[mine].to(self.rt.device), y[mine].to(self.rt.device)
-        seen: dict[str, float] = {}
-
-        def closure() -> torch.Tensor:
-            output = self.model(xb)
-            loss = self.loss_fn(output, yb)
-            seen["loss"] = float(loss.detach())
-            seen["correct"] = _correct(output.detach(), yb)
-            return loss
-
-        self.strategy.step(closure, len(mine), len(batch))
-        samples = len(mine)
-        if samples:
-            stats += torch.tensor([seen["loss"] * samples, seen["correct"], samples])
-        return {
-            "loss": seen.get("loss", math.nan),
-            "accuracy": seen["correct"] / samples if samples else None,
-            "samples": samples,
-        }
-
-    def _end_epoch(
-        self,
-        epoch: int,
-        step: int,
-        stats: torch.Tensor,
-        evals: tuple[torch.Tensor, torch.Tensor] | None,
-        t0: float,
-        global_seen: int,
-    ) -> dict[str, Any]:
-        both = torch.cat([stats, self._evaluate(evals)])
-        self.rt.all_reduce_sum(both, where=f"evaluation after epoch {epoch}")
-        tl, tc, tn, el, ec, en = both.tolist()
-        record: dict[str, Any] = {
-            "epoch": epoch,
-            "step": step,
-            "train_loss": tl / tn if tn else math.nan,
-            "train_accuracy": tc / tn if tn else None,
-            "eval_loss": el / en if en else None,
-            "eval_accuracy": ec / en if en else None,
-            "samples_per_s": global_seen / max(time.perf_counter() - t0, 1e-9),
-        }
-        self.metrics.write("epoch", **record)
-        acc = record["eval_accuracy"]
-        self.log.info(
-            "epoch %d step %d: train loss %.4f%s",
-            epoch,
-            step,
-            record["train_loss"],
-            f", eval accuracy {acc:.4f}" if acc is not None else "",
-        )
-        return record
-
-
-def _correct(output: torch.Tensor, target: torch.Tensor) -> float:
-    """Correct predictions for classification outputs (N, C) vs. integer targets, else 0."""
-    if output.ndim == 2 and not target.is_floating_point() and target.ndim == 1:
-        return float((output.argmax(dim=1) == target).sum())
-    return 0.0

@@ -218,10 +218,16 @@ class Strategy(abc.ABC):
             p.grad = None
         if samples > 0:
             closure().backward()
-        if not self._synced:  # nothing to backward on this rank; still take part
+        self.sync_without_backward()
+        self.apply()
+
+    def sync_without_backward(self) -> None:
+        """Take part in combining gradients without a backward pass of one's own
+        (a rank with no sample in this step): contributes its accumulated
+        gradients, zeros where there are none. No-op if a backward already synced."""
+        if not self._synced:
             self._begin_sync()
             self._backward_end()
-        self.apply()
 
     # what strategies implement ----------------------------------------------------
 

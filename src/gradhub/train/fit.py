@@ -1,0 +1,405 @@
+"""One call of ``DataParallelTrainer.fit``: the user's own loop, written once.
+
+``fit`` is built on :func:`gradhub.prepare`: it runs exactly the loop a user
+would write (``zero_grad``, forward, ``backward`` under ``no_sync`` for all
+micro-batches but the last, clip, ``step``, scheduler) on the prepared model
+and optimizer, so ``fit`` and an own loop share one code path.
+
+Batches and outputs (decisions):
+- A tuple/list batch is ``(inputs, targets, ...)``: the model gets
+  ``inputs``. A dict batch goes to the model whole (``model(batch)``); its
+  target is the first of the keys ``target``, ``targets``, ``labels``, ``y``.
+- ``loss_fn(output, batch)`` returns the mean loss of the batch. Default: an
+  output dict's ``"loss"`` if it has one; otherwise cross-entropy of the
+  logits (the output, or its ``"logits"``) against integer targets, flattened
+  so ``(B, T, V)`` logits against ``(B, T)`` targets work; mean squared error
+  against floating-point targets.
+- Accuracy is reported where it applies (logits with one more dimension than
+  integer targets: per sample, or per token for ``(B, T, V)``), otherwise
+  ``None``. ``metrics=`` adds callables ``metric(output, batch) -> float``
+  (a mean over the batch), reported as ``train_<name>`` / ``eval_<name>``.
+- ``accumulate=k``: each step runs ``k`` consecutive batches, each loss
+  weighted by its share of the step's samples; the optimizer steps once.
+- ``lr_scheduler``: a scheduler over the optimizer given to the trainer, or
+  a callable ``optimizer -> scheduler``; stepped after every optimizer step
+  (``scheduler_interval="step"``, the default) or after every epoch.
+- ``precision="bf16"``: forward and loss under ``torch.autocast`` in
+  bfloat16 (parameters, gradients and the optimizer stay fp32).
+- A run folder that already has metrics is an error unless ``resume=True``
+  (then the metrics continue the same files): a new run goes in a new folder.
+- A resumed job that had already finished returns the metrics of its last
+  epoch (stored in the checkpoint), not NaN.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from gradhub.train.checkpoint import CheckpointDir, common_step
+from gradhub.train.data import Source, Step, to_device
+from gradhub.train.logs import rank_logger
+from gradhub.train.metrics import MetricsWriter, metrics_file
+
+if TYPE_CHECKING:
+    from gradhub.train.distributed_optimizer import DistributedOptimizer
+    from gradhub.runtime import Runtime
+    from gradhub.train.trainer import FitConfig, FitResult
+    from gradhub.train.wrapped_model import PreparedModel
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+Metric = Callable[[Any, Any], float]
+_TARGET_KEYS = ("target", "targets", "labels", "y")
+
+
+def inputs_of(batch: Any) -> Any:
+    if isinstance(batch, (tuple, list)):
+        return batch[0]
+    return batch
+
+
+def target_of(batch: Any) -> Any:
+    if isinstance(batch, (tuple, list)):
+        return batch[1] if len(batch) > 1 else None
+    if isinstance(batch, dict):
+        return next((batch[k] for k in _TARGET_KEYS if k in batch), None)
+    return None
+
+
+def _logits(output: Any) -> Any:
+    return output.get("logits") if isinstance(output, dict) else output
+
+
+def default_loss(output: Any, batch: Any) -> torch.Tensor:
+    """See the module docstring."""
+    if isinstance(output, dict) and "loss" in output:
+        loss: torch.Tensor = output["loss"]
+        return loss
+    logits, target = _logits(output), target_of(batch)
+    if not isinstance(logits, torch.Tensor) or not isinstance(target, torch.Tensor):
+        raise TypeError(
+            "the default loss needs a tensor output (or a dict with 'loss' or 'logits') and "
+            "a target in the batch\n- help: pass loss_fn=lambda output, batch: ..."
+        )
+    if target.is_floating_point():
+        return torch.nn.functional.mse_loss(logits.float(), target)
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, -2), target.flatten())
+
+
+def correct(output: Any, batch: Any) -> tuple[float, float] | None:
+    """(correct predictions, predictions) where accuracy applies, else ``None``."""
+    logits, target = _logits(output), target_of(batch)
+    if (
+        isinstance(logits, torch.Tensor)
+        and isinstance(target, torch.Tensor)
+        and not target.is_floating_point()
+        and logits.ndim == target.ndim + 1
+        and logits.shape[:-1] == target.shape
+    ):
+        return float((logits.argmax(-1) == target).sum()), float(target.numel())
+    return None
+
+
+class Stats:
+    """Sums of one epoch (or one evaluation) on this rank: loss, accuracy, metrics."""
+
+    def __init__(self, metrics: dict[str, Metric]) -> None:
+        self.metrics = metrics
+        self.values = torch.zeros(4 + len(metrics), dtype=torch.float64)
+
+    def add(self, output: Any, batch: Any, loss: float, samples: int) -> None:
+        v = self.values
+        v[0] += loss * samples
+        v[1] += samples
+        hits = correct(output, batch)
+        if hits is not None:
+            v[2] += hits[0]
+            v[3] += hits[1]
+        for i, fn in enumerate(self.metrics.values()):
+            v[4 + i] += float(fn(output, batch)) * samples
+
+    def summary(self, prefix: str, summed: torch.Tensor) -> dict[str, Any]:
+        loss, n, hits, count = summed[:4].tolist()
+        out: dict[str, Any] = {
+            f"{prefix}loss": loss / n if n else None,
+            f"{prefix}accuracy": hits / count if count else None,
+        }
+        for i, name in enumerate(self.metrics):
+            out[f"{prefix}{name}"] = float(summed[4 + i]) / n if n else None
+        return out
+
+
+class FitRun:
+    """The loop, metrics, evaluation and checkpoints of one ``fit`` call."""
+
+    def __init__(
+        self,
+        model: PreparedModel,
+        optimizer: DistributedOptimizer,
+        runtime: Runtime,
+        cfg: FitConfig,
+        loss_fn: LossFn,
+        scheduler: Any,
+    ) -> None:
+        self.model, self.opt, self.rt, self.cfg = model, optimizer, runtime, cfg
+        self.loss_fn, self.scheduler = loss_fn, scheduler
+        self.strategy = model.strategy
+        self.log = rank_logger(__name__, runtime.rank)
+        named = [
+            (m, m) if isinstance(m, str) else (getattr(m, "__name__", "metric"), m)
+            for m in cfg.metrics
+        ]
+        self.metric_fns: dict[str, Metric] = {n: fn for n, fn in named if not isinstance(fn, str)}
+        self._check_run_dir()
+        self.metrics = MetricsWriter(cfg.run_dir, runtime.rank)
+        self.ckpt = (
+            CheckpointDir(path=cfg.checkpoint_dir, rank=runtime.rank)
+            if cfg.checkpoint_dir is not None
+            else None
+        )
+        self.autocast = (
+            torch.autocast(runtime.device.type, dtype=torch.bfloat16)
+            if cfg.precision == "bf16"
+            else contextlib.nullcontext()
+        )
+
+    def _check_run_dir(self) -> None:
+        used = 0.0
+        if self.cfg.run_dir is not None and not self.cfg.resume:
+            used = float(
+                any(metrics_file(self.cfg.run_dir, r).exists() for r in range(self.rt.world_size))
+            )
+        flag = self.rt.all_reduce_sum(torch.tensor([used]), where="run folder check")
+        if flag.item() > 0:
+            raise FileExistsError(
+                f"run folder {self.cfg.run_dir} already holds the metrics of a run\n"
+                "- help: give a new run_dir, or resume=True (with checkpoint_dir) to continue it"
+            )
+
+    # checkpoints -------------------------------------------------------------------
+
+    def resume(self) -> tuple[int, dict[str, Any]]:
+        if not (self.cfg.resume and self.ckpt is not None):
+            return 0, {}
+        mine = self.ckpt.steps()
+        everyone: list[list[int]] = [[] for _ in range(self.rt.world_size)]
+        if self.rt.world_size > 1:
+            dist.all_gather_object(everyone, mine)
+        else:
+            everyone = [mine]
+        step = common_step(everyone)
+        if step is None:
+            self.log.info("no checkpoint that every rank has in %s: starting fresh", self.ckpt.path)
+            return 0, {}
+        state = self.ckpt.load(step)
+        self.model.load_state_dict(state["model"])
+        if "optimizer" in state:
+            self.opt.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.strategy.steps = step
+        self.log.info("resumed from step %d (%s)", step, self.ckpt.file(step))
+        return step, dict(state.get("last") or {})
+
+    def save(self, step: int, last: dict[str, Any]) -> None:
+        if self.ckpt is None:
+            return
+        state = {
+            "world_size": self.rt.world_size,
+            "model": self.model.state_dict(),
+            "optimizer": self.opt.state_dict(),  # a collective under 'sharded'
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "last": last,
+        }
+        path = self.ckpt.save(step, state)
+        self.log.debug("checkpoint of step %d written to %s", step, path)
+
+    # one step ------------------------------------------------------------------------
+
+    def _forward(self, batch: Any) -> tuple[Any, torch.Tensor]:
+        with self.autocast:
+            inputs = inputs_of(batch)
+            output = self.model(inputs)
+            return output, self.loss_fn(output, batch)
+
+    def step(self, micro: list[Step], stats: Stats) -> dict[str, Any]:
+        """One optimizer step over the micro-batches ``micro`` (this rank's parts)."""
+        local = sum(s.samples for s in micro)
+        known = all(s.global_samples is not None for s in micro)
+        total = sum(s.global_samples or 0 for s in micro) if known else None
+        self.model.set_samples(local, total)
+        self.opt.zero_grad()
+        last = max((i for i, s in enumerate(micro) if s.samples), default=-1)
+        loss_sum = 0.0
+        for i, s in enumerate(micro):
+            if not s.samples:
+                continue
+            batch = to_device(s.batch, self.rt.device)
+            quiet = self.model.no_sync() if i != last else contextlib.nullcontext()
+            with quiet:
+                output, loss = self._forward(batch)
+                (loss * (s.samples / local)).backward()
+            value = float(loss.detach())
+            loss_sum += value * s.samples
+            stats.add(_detach(output), batch, value, s.samples)
+        if last < 0:
+            self.strategy.sync_without_backward()
+        if self.cfg.grad_clip is not None:
+            self.model.strategy.clip_grad_norm_(self.cfg.grad_clip)
+        self.opt.step()
+        if self.scheduler is not None and self.cfg.scheduler_interval == "step":
+            self.scheduler.step()
+        return {"loss": loss_sum / local if local else None, "samples": local}
+
+    def evaluate(self, source: Source | None) -> torch.Tensor:
+        stats = Stats(self.metric_fns)
+        if source is None:
+            return stats.values
+        self.strategy.refresh()
+        self.model.eval()
+        with torch.no_grad():
+            for s in source.epoch(0, shuffle=False):
+                if s.samples:
+                    batch = to_device(s.batch, self.rt.device)
+                    output, loss = self._forward(batch)
+                    stats.add(_detach(output), batch, float(loss), s.samples)
+        self.model.train()
+        return stats.values
+
+    # the loop ------------------------------------------------------------------------
+
+    def run(
+        self,
+        train: Source,
+        evals: Source | None,
+        on_step: Callable[[int, dict[str, Any]], None] | None,
+        on_epoch: Callable[[int, dict[str, Any]], None] | None,
+        on_eval: Callable[[int, dict[str, Any]], None] | None,
+    ) -> FitResult:
+        from gradhub.train.trainer import FitResult
+
+        try:
+            return self._run(train, evals, on_step, on_epoch, on_eval, FitResult)
+        finally:
+            self.metrics.close()
+
+    def _micro_steps(self, source: Source, epoch: int) -> Iterator[list[Step]]:
+        batches = source.epoch(epoch)
+        while True:
+            group = [s for _, s in zip(range(self.cfg.accumulate), batches, strict=False)]
+            if not group:
+                return
+            yield group
+
+    def _run(
+        self,
+        train: Source,
+        evals: Source | None,
+        on_step: Any,
+        on_epoch: Any,
+        on_eval: Any,
+        result_cls: Any,
+    ) -> FitResult:
+        rt, cfg = self.rt, self.cfg
+        batches = train.steps_per_epoch()
+        per_epoch = -(-batches // cfg.accumulate) if batches is not None else None
+        start, last = self.resume()
+        step = start
+        self.model.train()
+        bar = tqdm(
+            total=per_epoch * cfg.epochs if per_epoch is not None else None,
+            initial=start,
+            disable=not (cfg.progress and rt.is_main),
+            desc=f"{self.strategy.name} x{rt.world_size}",
+            unit="step",
+            leave=False,
+        )
+        history: list[dict[str, Any]] = []
+        t0 = time.perf_counter()
+        seen = 0
+        first_epoch = start // per_epoch if per_epoch else 0
+        skip = start - first_epoch * per_epoch if per_epoch else start
+        try:
+            for epoch in range(first_epoch, cfg.epochs):
+                stats = Stats(self.metric_fns)
+                for micro in self._micro_steps(train, epoch):
+                    if skip:
+                        skip -= 1
+                        continue
+                    record = self.step(micro, stats)
+                    step += 1
+                    seen += sum(s.samples for s in micro)
+                    record.update(
+                        step=step,
+                        epoch=epoch,
+                        samples_per_s=seen * rt.world_size / max(time.perf_counter() - t0, 1e-9),
+                    )
+                    if step % cfg.log_every == 0:
+                        self.metrics.write("step", **record)
+                    bar.update(1)
+                    if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+                        self.save(step, last)
+                    if on_step is not None:
+                        on_step(step, record)
+                last = self._end_epoch(epoch, step, stats, evals, on_eval)
+                history.append(last)
+                if self.scheduler is not None and cfg.scheduler_interval == "epoch":
+                    self.scheduler.step()
+                if on_epoch is not None:
+                    on_epoch(epoch, last)
+                if not cfg.checkpoint_every:
+                    self.save(step, last)
+        finally:
+            bar.close()
+        wall = time.perf_counter() - t0
+        result = result_cls(
+            strategy=self.strategy.name,
+            world_size=rt.world_size,
+            start_step=start,
+            steps=step,
+            train_loss=last.get("train_loss", math.nan) if last else math.nan,
+            train_accuracy=last.get("train_accuracy"),
+            eval_loss=last.get("eval_loss"),
+            eval_accuracy=last.get("eval_accuracy"),
+            wall_time=wall,
+            samples_per_s=seen * rt.world_size / wall if wall > 0 and seen else 0.0,
+            history=history,
+        )
+        summary = {k: v for k, v in vars(result).items() if k != "history"}
+        self.metrics.write("summary", **summary)
+        return result
+
+    def _end_epoch(
+        self, epoch: int, step: int, stats: Stats, evals: Source | None, on_eval: Any
+    ) -> dict[str, Any]:
+        both = torch.cat([stats.values, self.evaluate(evals)])
+        self.rt.all_reduce_sum(both, where=f"evaluation after epoch {epoch}")
+        half = len(stats.values)
+        record: dict[str, Any] = {"epoch": epoch, "step": step}
+        train = stats.summary("train_", both[:half])
+        train["train_loss"] = train["train_loss"] if train["train_loss"] is not None else math.nan
+        record.update(train)
+        if evals is not None:
+            record.update(stats.summary("eval_", both[half:]))
+            if on_eval is not None:
+                on_eval(epoch, record)
+        else:
+            record.update(eval_loss=None, eval_accuracy=None)
+        self.metrics.write("epoch", **record)
+        self.log.info("epoch %d step %d: train loss %.4f", epoch, step, record["train_loss"])
+        return record
+
+
+def _detach(output: Any) -> Any:
+    if isinstance(output, torch.Tensor):
+        return output.detach()
+    if isinstance(output, dict):
+        return {k: _detach(v) for k, v in output.items()}
+    return output
