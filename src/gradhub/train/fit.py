@@ -49,8 +49,8 @@ from gradhub.train.logs import rank_logger
 from gradhub.train.metrics import MetricsWriter, metrics_file
 
 if TYPE_CHECKING:
-    from gradhub.train.distributed_optimizer import DistributedOptimizer
     from gradhub.runtime import Runtime
+    from gradhub.train.distributed_optimizer import DistributedOptimizer
     from gradhub.train.trainer import FitConfig, FitResult
     from gradhub.train.wrapped_model import PreparedModel
 
