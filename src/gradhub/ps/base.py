@@ -47,9 +47,28 @@ from gradhub.trees import ROOT
 Replicas = torch.Tensor | np.ndarray | Sequence[torch.Tensor | np.ndarray]
 
 
+def check_key(key: object) -> str:
+    """``key`` if it is a ``str``, else a ``TypeError`` naming it."""
+    if not isinstance(key, str):
+        raise TypeError(
+            f"parameter keys are str, got {key!r} of type {type(key).__name__}; "
+            f"use e.g. {str(key)!r}"
+        )
+    return key
+
+
 def as_replicas(values: Replicas, *, what: str = "values") -> list[torch.Tensor]:
     """Normalise one tensor/array or a sequence of them to a non-empty list of
-    tensors of one shape and dtype (``ShapeMismatchError`` names the replica)."""
+    tensors of one shape and dtype (``ShapeMismatchError`` names the replica).
+
+    A dict (a tree of named tensors) is not one value: each tensor goes under
+    its own key (``for name, p in model.named_parameters(): ps.init(name, p)``)."""
+    if isinstance(values, Mapping):
+        raise TypeError(
+            f"{what} is a dict; a parameter-server key holds one tensor (or a list of "
+            "replicas of one tensor)\n- help: use one key per tensor, e.g. "
+            "`for name, p in model.named_parameters(): ps.init(name, p)`"
+        )
     if isinstance(values, (torch.Tensor, np.ndarray)):
         values = [values]
     out: list[torch.Tensor] = []

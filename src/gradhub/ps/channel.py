@@ -15,6 +15,13 @@ pipe) and get a future back.
 - **Exactly once.** Pushes and inits carry ``(worker_id, session, seq)``; a
   request not answered within ``retry_interval`` is sent again with the same
   numbers, and the server applies it once.
+- **Failures that name the cause.** A server that refuses this client's
+  hello (wrong or missing secret) fails its requests with
+  ``AuthenticationError`` at once; a server that never answered a hello fails
+  them with ``ServerUnavailableError`` after ``connect_timeout``; a server that
+  said goodbye without a checkpoint to restart from fails them with
+  ``ClosedError`` (with one, the channel waits for it up to the timeout). The
+  same error fails later requests to that server at once.
 - **Hello and replay.** After a server restart (a new *incarnation*, noticed
   on a heartbeat or a ``STALE_INCARNATION`` answer) the channel says hello
   again and resends, in their original order, the pushes the server had
@@ -39,7 +46,14 @@ from typing import Any
 import torch
 import zmq
 
-from gradhub.errors import ClosedError, GradhubError, ProtocolError, ServerTimeoutError
+from gradhub.errors import (
+    AuthenticationError,
+    ClosedError,
+    GradhubError,
+    ProtocolError,
+    ServerTimeoutError,
+    ServerUnavailableError,
+)
 from gradhub.ps import protocol, status
 from gradhub.ps.lanes import PriorityLanes
 from gradhub.ps.protocol import Header, Message, Op, Status
@@ -67,6 +81,7 @@ class Request:
     order: int = 0
     request_id: int = 0
     seq: int = 0
+    submitted: float = 0.0
     deadline: float = float("inf")
     next_retry: float = float("inf")
     nbytes: int = 0
@@ -85,6 +100,7 @@ class _Server:
     inflight_bytes: int = 0
     retained: dict[int, Request] = field(default_factory=dict)  # acked, not yet durable
     next_heartbeat: float = 0.0
+    failure: GradhubError | None = None  # fails every request to this server at once
 
 
 class Channel:
@@ -97,12 +113,14 @@ class Channel:
         worker_id: int,
         secret: bytes | None,
         timeout: float,
+        connect_timeout: float,
         heartbeat_interval: float,
         retry_interval: float,
         max_inflight_bytes: int,
     ) -> None:
         self.worker_id = worker_id
         self.timeout = timeout
+        self.connect_timeout = connect_timeout
         self.heartbeat_interval = heartbeat_interval
         self.retry_interval = retry_interval
         self.max_inflight_bytes = max_inflight_bytes
@@ -155,9 +173,14 @@ class Channel:
         with self._lock:
             if self._stopping:
                 raise ClosedError("this RemoteParameterServer is closed; create a new one")
+            failure = self._servers[req.server].failure
+            if failure is not None:
+                future.set_exception(failure)
+                return future
             req.order = next(self._orders)
             req.request_id = next(self._ids)
-            req.deadline = time.monotonic() + self.timeout
+            req.submitted = time.monotonic()
+            req.deadline = req.submitted + self.timeout
             if req.op in _MUTATING:
                 srv = self._servers[req.server]
                 req.seq = srv.next_seq
@@ -234,6 +257,11 @@ class Channel:
             self._fail_all(ClosedError("the RemoteParameterServer was closed"))
 
     def _send_ready(self, i: int, s: _Server, now: float) -> None:
+        if s.failure is not None:
+            for req in s.queue.clear():
+                if req.future is not None and not req.future.done():
+                    req.future.set_exception(s.failure)
+            return
         if s.incarnation == 0:
             if s.hello is None:
                 self._send_hello(i, s, now)
@@ -272,6 +300,7 @@ class Channel:
             incarnation=s.incarnation,
             priority=req.priority,
             codec=req.codec,
+            aux=int(self.timeout * 1000),  # how long the server may hold it
         )
         frames = protocol.encode(header, req.key, req.payload, meta=req.meta, secret=self._secret)
         try:
@@ -291,16 +320,53 @@ class Channel:
                 if not msg.header.is_reply:
                     raise ProtocolError("a request sent to a client")
             except ProtocolError as exc:
+                rid = protocol.refusal_request_id(frames)
+                if rid is not None and s.hello is not None and rid == s.hello.request_id:
+                    self._refused(s)
+                    continue
                 self.dropped_replies += 1
                 log.warning("dropped a reply from %s: %s", s.address, exc)
                 continue
             self._handle(s, msg)
 
+    def _refused(self, s: _Server) -> None:
+        have = "this secret" if self._secret else "no secret"
+        self._fail_server(
+            s,
+            AuthenticationError(
+                f"parameter server {s.address} refused this client's hello: it was sent "
+                f"with {have}, which the server does not accept\n- help: give the server's "
+                "shared secret (the same text as its --secret-file; surrounding whitespace "
+                "is stripped on both sides), or none if the server has none"
+            ),
+        )
+
+    def _fail_server(self, s: _Server, exc: GradhubError) -> None:
+        """Fail everything queued, in flight and kept for ``s``, and later requests to it."""
+        with self._lock:
+            s.failure = exc
+            mine = [r for r in self._submitted if self._servers[r.server] is s]
+            self._submitted = [r for r in self._submitted if self._servers[r.server] is not s]
+        mine += [*s.queue.clear(), *s.inflight.values()]
+        s.inflight.clear()
+        s.inflight_bytes = 0
+        s.retained.clear()
+        s.hello = None
+        for r in mine:
+            if r.future is not None and not r.future.done():
+                r.future.set_exception(exc)
+
     def _handle(self, s: _Server, msg: Message) -> None:
         h = msg.header
         if h.op == Op.HELLO:
             if s.hello is not None and h.request_id == s.hello.request_id:
-                self._hello_done(s, h)
+                if h.status == Status.REFUSED:
+                    self._refused(s)
+                else:
+                    self._hello_done(s, h)
+            return
+        if h.op == Op.BYE:
+            self._goodbye(s, restartable=bool(h.aux))
             return
         if h.op == Op.HEARTBEAT:
             if s.incarnation and h.incarnation != s.incarnation:
@@ -375,6 +441,24 @@ class Channel:
             self._send(s, req)
         s.retained.clear()
 
+    def _goodbye(self, s: _Server, *, restartable: bool) -> None:
+        if restartable:
+            log.warning(
+                "parameter server %s is shutting down and can be restarted from its "
+                "checkpoint; waiting for it (up to %gs per request)",
+                s.address,
+                self.timeout,
+            )
+            s.incarnation, s.hello = 0, None  # say hello again once it is back
+            return
+        self._fail_server(
+            s,
+            ClosedError(
+                f"parameter server {s.address} shut down (it keeps no checkpoint to "
+                "restart from, so its values are gone)"
+            ),
+        )
+
     def _restart_seen(self, s: _Server) -> None:
         if s.hello is None:
             log.info("parameter server %s has a new incarnation; reconnecting", s.address)
@@ -382,6 +466,15 @@ class Channel:
 
     def _check_timers(self, now: float) -> None:
         for i, s in enumerate(self._servers):
+            if s.failure is not None:
+                continue
+            if not s.connected_before:
+                late = s.queue.remove_if(lambda r: now >= r.submitted + self.connect_timeout)
+                for req in late:
+                    if req.future is not None and not req.future.done():
+                        req.future.set_exception(
+                            ServerUnavailableError(s.address, self.connect_timeout)
+                        )
             if s.hello is not None and now >= s.hello.next_retry:
                 self._send_hello(i, s, now)
             for rid, req in list(s.inflight.items()):

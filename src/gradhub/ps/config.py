@@ -36,20 +36,22 @@ def optimizer_spec(name: str, lr: float | None, momentum: float | None) -> Optim
 
 
 def secret_bytes(secret: str | bytes | None) -> bytes | None:
-    """A shared secret as bytes (``str`` is UTF-8 encoded); empty means none."""
+    """A shared secret as bytes (``str`` is UTF-8 encoded), surrounding whitespace
+    stripped: the same on servers and clients, so a secret read from a file with
+    its trailing newline matches one given on the command line. Empty means none."""
     if secret is None:
         return None
     if isinstance(secret, str):
         secret = secret.encode("utf-8")
     if not isinstance(secret, bytes):
         raise TypeError(f"a secret is str or bytes, got {type(secret).__name__}")
-    return secret or None
+    return secret.strip() or None
 
 
 def read_secret_file(path: str | Path) -> bytes:
-    """The secret in ``path`` (surrounding whitespace stripped)."""
-    data = Path(path).read_bytes().strip()
-    if not data:
+    """The secret in ``path``, through :func:`secret_bytes` (whitespace stripped)."""
+    data = secret_bytes(Path(path).read_bytes())
+    if data is None:
         raise ValueError(f"secret file {path} is empty; put a shared secret in it")
     return data
 

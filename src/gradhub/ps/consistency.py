@@ -157,6 +157,29 @@ class Consistency:
         )
         return mine - min(others, default=mine) <= self.max_staleness
 
+    def waiting_for(self, worker: int, key: str) -> str:
+        """Whom a pull of ``key`` by ``worker`` waits for, in words."""
+        unjoined = max(0, self.workers - len(self.registered))
+        never = (
+            f"{unjoined} worker(s) that never pushed (the server waits for {self.workers})"
+            if unjoined
+            else ""
+        )
+        steps = self.steps.get(key, {})
+        if self.mode == "sync":
+            rnd = self.rounds_applied.get(key, 0)
+            pending = self.pending.get(key, {}).get(rnd)
+            done = pending.contributors if pending is not None else set()
+            late = [str(w) for w in sorted(self.live - done)]
+            what = f"sync round {rnd} of {key!r}"
+        else:
+            mine = steps.get(worker, 0)
+            behind = sorted(w for w in self.live if steps.get(w, 0) < mine - self.max_staleness)
+            late = [f"{w} (at step {steps.get(w, 0)})" for w in behind]
+            what = f"worker {worker} at step {mine} of {key!r} (max_staleness={self.max_staleness})"
+        whom = " and ".join(x for x in (f"worker(s) {', '.join(late)}" if late else "", never) if x)
+        return f"{what} waits for {whom or 'no live worker'}"
+
     def tracked_keys(self) -> list[str]:
         return list(self.steps)
 

@@ -41,9 +41,14 @@ from typing import Any
 
 import torch
 
-from gradhub.errors import ClosedError, GradhubTimeoutError, UnknownParameterError
+from gradhub.errors import (
+    ClosedError,
+    GradhubTimeoutError,
+    NonFiniteError,
+    UnknownParameterError,
+)
 from gradhub.optim import OptimizerFactory, OptimizerSpec
-from gradhub.ps.base import ParameterServer, Replicas, as_replicas, check_like
+from gradhub.ps.base import ParameterServer, Replicas, as_replicas, check_key, check_like
 from gradhub.ps.lanes import PriorityLanes
 from gradhub.ps.store import ParameterStore
 
@@ -81,6 +86,7 @@ class LocalParameterServer(ParameterServer):
     # -------------------------------------------------------------- interface
     def init(self, key: str, values: Replicas, *, optimizer: OptimizerSpec | None = None) -> None:
         self._check_open()
+        check_key(key)
         replicas = as_replicas(values, what="values")
         with self._store_lock:
             self._store.init(key, replicas[0], optimizer=optimizer)
@@ -96,16 +102,20 @@ class LocalParameterServer(ParameterServer):
         hyperparameters: Mapping[str, Any] | None = None,
     ) -> Future[None]:
         self._check_open()
+        check_key(key)
         replicas = as_replicas(grads, what="grads")
         device = self._check(key, replicas[0]).device
         total = replicas[0].detach().to(device=device, copy=True)
         for g in replicas[1:]:
             total.add_(g.detach().to(device))
+        if total.is_floating_point() and not bool(torch.isfinite(total).all()):
+            raise NonFiniteError(f"push of {key!r} holds NaN or infinity; nothing was queued")
         hyper = dict(hyperparameters) if hyperparameters else None
         return self._submit(key, priority, lambda: self._store.apply(key, total, hyper))
 
     def pull(self, key: str, weights: Replicas, *, priority: int = 0) -> Future[None]:
         self._check_open()
+        check_key(key)
         targets = as_replicas(weights, what="weights")
         self._check(key, targets[0])
         return self._submit(key, priority, lambda: self._store.copy_into(key, targets))

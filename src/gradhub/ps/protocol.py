@@ -363,6 +363,27 @@ def _decode(frames: Sequence[Any], secret: bytes | None, max_payload: int) -> Me
     return Message(header, key, frames[3], views[2].tobytes())
 
 
+def peek_header(frames: Sequence[Any]) -> Header | None:
+    """The op, flags and ids of a message's header, unchecked beyond its format
+    (no signature check): enough to answer a hello that fails authentication."""
+    try:
+        head = memoryview(frames[0]).cast("B")
+        if head.nbytes != HEADER_SIZE:
+            return None
+        fields = _HEADER.unpack(head)
+        if fields[0] != MAGIC or fields[1] != VERSION:
+            return None
+        return Header(
+            op=Op(fields[2]),
+            flags=fields[3],
+            worker_id=fields[9],
+            request_id=fields[11],
+            session=fields[12],
+        )
+    except (ValueError, TypeError, IndexError, struct.error):
+        return None
+
+
 def refusal_request_id(frames: Sequence[Any]) -> int | None:
     """The request id of a server's unsigned ``REFUSED`` reply to a hello, else ``None``.
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -31,17 +33,33 @@ from gradhub import codecs
 from gradhub.errors import (
     ClosedError,
     DtypeMismatchError,
+    NonFiniteError,
     ServerTimeoutError,
     ShapeMismatchError,
 )
 from gradhub.optim import OptimizerSpec
-from gradhub.ps.base import ParameterServer, Replicas, as_replicas
+from gradhub.ps.base import ParameterServer, Replicas, as_replicas, check_key
 from gradhub.ps.channel import Channel, Request
 from gradhub.ps.config import secret_bytes
 from gradhub.ps.placement import DEFAULT_SLICE_BYTES, layout, split
 from gradhub.ps.protocol import Message, Op
 
-__all__ = ["DEFAULT_SLICE_BYTES", "RemoteParameterServer"]
+__all__ = ["DEFAULT_SLICE_BYTES", "RemoteParameterServer", "check_address"]
+
+log = logging.getLogger(__name__)
+
+_ADDRESS = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):[0-9]{1,5}|ipc://\S+|inproc://\S+")
+
+
+def check_address(address: object) -> str:
+    """``address`` if it is a ZeroMQ endpoint a client can connect to, else ``ValueError``."""
+    if not isinstance(address, str) or _ADDRESS.fullmatch(address) is None:
+        raise ValueError(
+            f"parameter-server address {address!r} is not one of the accepted forms: "
+            "tcp://HOST:PORT (e.g. tcp://127.0.0.1:5555 or tcp://[::1]:5555), "
+            "ipc:///path/to/socket, inproc://name"
+        )
+    return address
 
 
 class RemoteParameterServer(ParameterServer):
@@ -51,7 +69,14 @@ class RemoteParameterServer(ParameterServer):
         addresses: one ZeroMQ endpoint or a list (``tcp://host:port``).
         worker_id: this worker's id (unique in the job; sync/ssp count workers by it).
         secret: shared secret (str or bytes) when the servers require one.
-        timeout: seconds any request may take before ``ServerTimeoutError``.
+        timeout: seconds any request may take before ``ServerTimeoutError``
+            (sync/ssp waits and waits for a key's ``init`` included).
+        connect_timeout: seconds a server may take to answer the first hello
+            before its requests fail with ``ServerUnavailableError`` (at most
+            ``timeout``).
+        nonfinite: a push holding NaN or infinity is refused with
+            ``NonFiniteError`` (``"error"``) or dropped with a warning
+            (``"skip"``: its future is done, nothing is sent).
         codec: wire codec for gradients (``"none"``, ``"fp16"``, ``"bf16"``, ...);
             values always travel exactly.
         slice_bytes: tensors above this many bytes are sliced over all servers.
@@ -67,6 +92,8 @@ class RemoteParameterServer(ParameterServer):
         worker_id: int,
         secret: str | bytes | None = None,
         timeout: float = 60.0,
+        connect_timeout: float = 10.0,
+        nonfinite: str = "error",
         codec: str = "none",
         slice_bytes: int = DEFAULT_SLICE_BYTES,
         heartbeat_interval: float = 1.0,
@@ -76,6 +103,10 @@ class RemoteParameterServer(ParameterServer):
         addrs = [addresses] if isinstance(addresses, str) else list(addresses)
         if not addrs:
             raise ValueError("give at least one parameter-server address")
+        for a in addrs:
+            check_address(a)
+        if nonfinite not in ("error", "skip"):
+            raise ValueError(f"nonfinite must be 'error' or 'skip', got {nonfinite!r}")
         if not 0 <= worker_id < 2**32:
             raise ValueError(f"worker_id must be in [0, 2**32), got {worker_id}")
         if not timeout > 0 or not heartbeat_interval > 0 or not retry_interval > 0:
@@ -83,6 +114,9 @@ class RemoteParameterServer(ParameterServer):
         self.addresses = addrs
         self.worker_id = worker_id
         self.timeout = float(timeout)
+        self.nonfinite = nonfinite
+        self.skipped = 0
+        """Pushes dropped because they held NaN or infinity (``nonfinite="skip"``)."""
         self.codec = codecs.get(codec)
         self.slice_bytes = int(slice_bytes)
         self._closed = False
@@ -91,6 +125,7 @@ class RemoteParameterServer(ParameterServer):
             worker_id=worker_id,
             secret=secret_bytes(secret),
             timeout=self.timeout,
+            connect_timeout=min(float(connect_timeout), self.timeout),
             heartbeat_interval=float(heartbeat_interval),
             retry_interval=float(retry_interval),
             max_inflight_bytes=int(max_inflight_bytes),
@@ -109,6 +144,7 @@ class RemoteParameterServer(ParameterServer):
         slice gets the same); see :class:`~gradhub.ps.base.ParameterServer`.
         """
         self._check_open()
+        check_key(key)
         value = as_replicas(values)[0].detach()
         meta = b"" if optimizer is None else _json({"optimizer": optimizer.to_dict()})
         futures = [
@@ -132,12 +168,24 @@ class RemoteParameterServer(ParameterServer):
         with this push, also when it is retried or replayed).
         """
         self._check_open()
+        check_key(key)
         meta = _json({"hyperparameters": dict(hyperparameters)}) if hyperparameters else b""
         reps = [g.detach() for g in as_replicas(grads, what="grads")]
         total = reps[0]
         owned = len(reps) > 1
         if owned:
             total = torch.stack([r.to("cpu") for r in reps]).sum(0)
+        if total.is_floating_point() and not bool(torch.isfinite(total).all()):
+            if self.nonfinite == "error":
+                raise NonFiniteError(
+                    f"push of {key!r} holds NaN or infinity; nothing was sent\n- help: "
+                    "RemoteParameterServer(..., nonfinite='skip') drops such pushes"
+                )
+            self.skipped += 1
+            log.warning("push of %r holds NaN or infinity: dropped (nonfinite='skip')", key)
+            done: Future[None] = Future()
+            done.set_result(None)
+            return done
         codec = self.codec.name if total.is_floating_point() else "none"
         futures = []
         for piece, part in split(key, total, len(self.addresses), self.slice_bytes):
@@ -162,6 +210,7 @@ class RemoteParameterServer(ParameterServer):
     def pull(self, key: str, weights: Replicas, *, priority: int = 0) -> Future[None]:
         """Copy the value of ``key`` into every tensor of ``weights``."""
         self._check_open()
+        check_key(key)
         targets = as_replicas(weights, what="weights")
         first = targets[0]
         pieces = layout(

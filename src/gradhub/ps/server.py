@@ -1,40 +1,25 @@
-"""The parameter-server process: a :class:`ParameterStore` behind a ROUTER socket.
+"""The parameter-server process: a :class:`~gradhub.ps.service.Service` behind a
+ROUTER socket.
 
 One thread runs the loop: it drains every message waiting on the socket,
 queues data operations (init, push, pull) by priority, runs them, answers
-control operations (hello, heartbeat, stats, shutdown) at once, expires silent
-workers and writes checkpoints. Being single-threaded, it needs no locks and
-its checkpoints are consistent by construction.
+control operations (hello, heartbeat, stats, flush, shutdown) at once, expires
+silent workers and writes checkpoints. Being single-threaded, it needs no
+locks and its checkpoints are consistent by construction.
 
 Decisions:
-- Queue order: :class:`~gradhub.ps.lanes.PriorityLanes` with one lane per
-  connection and key: higher priority first, equal priority first in first
-  out, and operations of one connection on one key never overtake each other,
-  so a pull sees its client's earlier pushes.
-- Exactly once: see :mod:`gradhub.ps.dedupe`. Every push reply carries, in
-  ``aux``, the worker's *durable* low watermark: the sequence numbers up to it
-  are on disk (in the last checkpoint, or in the synced write-ahead log of a
-  ``durable`` server; without a checkpoint directory: applied). A client keeps
-  pushes above it and replays them to a restarted server, so no acknowledged
-  push is lost when a server dies between checkpoints; a ``FLUSH`` request
-  writes a checkpoint at once (after the requests queued before it), so a
-  client can stop keeping them (``RemoteParameterServer.flush``).
-- Durable servers (:mod:`gradhub.ps.wal`): applied inits and pushes are logged
-  and their acknowledgements held until the log is synced, once per batch of
-  requests drained from the socket (group commit).
 - Every reply carries the server's *incarnation* (random per start); a data
   request naming another incarnation is answered ``STALE_INCARNATION`` so the
   client says hello again and replays before anything else is served.
-- Pull replies send a snapshot of the value, shared by every pull until the
-  next update: ZeroMQ sends from that memory after the loop moved on, so the
-  live value (updated in place) is never handed to it.
-- Sync pushes are acknowledged once they joined their round (the round keeps
-  the push also when its worker is dropped later: the round's sum is applied
-  once the remaining live workers pushed); the pull waits for the round.
-- A worker joins the sync/ssp accounting with its first *valid* push: a push
-  refused by validation (unknown key, shape) does not make it a member.
-- Dropped and counted, never answered: malformed, unauthenticated, oversized
-  and unknown-op messages.
+- A ``FLUSH`` request is answered after the requests drained with it ran and a
+  checkpoint holds them (a durable server: once its log is synced).
+- Durable servers (:mod:`gradhub.ps.wal`): the acknowledgements of inits and
+  pushes are held until the log is synced, once per batch of requests drained
+  from the socket (group commit).
+- On the way out the server tells every client it heard from (``BYE``):
+  whether it can be restarted from a checkpoint (clients wait for it) or not
+  (their calls fail at once with ``ClosedError``).
+- Messages it cannot accept: see :mod:`gradhub.ps.rejects`.
 """
 
 from __future__ import annotations
@@ -49,24 +34,13 @@ from typing import Any
 import torch
 import zmq
 
-from gradhub import codecs
-from gradhub.errors import (
-    AuthenticationError,
-    BindError,
-    OversizedError,
-    ProtocolError,
-    UnknownOpError,
-)
-from gradhub.optim import OptimizerSpec
-from gradhub.ps import protocol, status
-from gradhub.ps.base import check_like
-from gradhub.ps.config import DEFAULT_OPTIMIZER, NO_OPTIMIZER, ServerConfig
-from gradhub.ps.consistency import Consistency
-from gradhub.ps.dedupe import Ledger
-from gradhub.ps.lanes import PriorityLanes
-from gradhub.ps.persist import Persistence
+from gradhub.errors import BindError, ProtocolError
+from gradhub.ps import protocol
+from gradhub.ps.config import DEFAULT_OPTIMIZER, ServerConfig
 from gradhub.ps.protocol import Message, Op, Status
-from gradhub.ps.store import ParameterStore, describe
+from gradhub.ps.rejects import Rejects
+from gradhub.ps.service import Service
+from gradhub.ps.store import describe
 
 log = logging.getLogger(__name__)
 
@@ -74,18 +48,7 @@ _DATA_OPS = (Op.INIT, Op.PUSH, Op.PULL)
 _POLL_MS = 100
 
 
-def make_store(config: ServerConfig) -> ParameterStore:
-    """The store for ``config.optimizer``: fixed to a spec, fixed to none, or
-    taking the spec each ``init`` brings (``DEFAULT_OPTIMIZER`` without one)."""
-    if config.optimizer is None:
-        return ParameterStore(DEFAULT_OPTIMIZER, fixed=False)
-    if config.optimizer == NO_OPTIMIZER:
-        return ParameterStore(None, fixed=True)
-    assert isinstance(config.optimizer, OptimizerSpec)  # ServerConfig normalised it
-    return ParameterStore(config.optimizer, fixed=True)
-
-
-class Server:
+class Server(Service):
     """A parameter server bound to ``config.bind``; :meth:`serve` runs its loop.
 
     The socket is bound in the constructor, so :attr:`address` is known before
@@ -93,45 +56,14 @@ class Server:
     """
 
     def __init__(self, config: ServerConfig):
-        self.config = config
+        super().__init__(config)
         self.incarnation = secrets.randbits(63) | 1
-        self.store = make_store(config)
-        self.consistency = Consistency(
-            config.mode, workers=config.workers, max_staleness=config.max_staleness
-        )
-        self.ledger = Ledger()
-        self.counters: dict[str, int] = dict.fromkeys(
-            (
-                "received",
-                "replied",
-                "init",
-                "push_applied",
-                "push_duplicate",
-                "updates",
-                "pull",
-                "pull_waited",
-                "errors",
-                "stale_incarnation",
-                "dropped_malformed",
-                "dropped_unauthenticated",
-                "dropped_oversized",
-                "dropped_unknown_op",
-                "workers_dropped",
-                "checkpoints",
-            ),
-            0,
-        )
-        self._durable: dict[int, tuple[int, int]] = {}
-        self._snapshots: dict[str, torch.Tensor] = {}
-        self._queue: PriorityLanes[tuple[bytes, str], Message] = PriorityLanes()
-        self._parked: dict[str, list[Message]] = {}
-        self._dirty = False
+        self._peers: set[bytes] = set()  # connections to say goodbye to
+        self.rejects = Rejects(self.counters)
         self._stop = threading.Event()
         self._closed = False
         self._flushes: list[Message] = []
         self._held: list[list[Any]] = []  # replies waiting for the log's sync
-        self._replaying = False
-        self.persist = Persistence(config)
         self._restore()
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -192,59 +124,23 @@ class Server:
         self._closed = True
         try:
             self.checkpoint()
+            self._goodbye()
         finally:
             self.persist.close()
-            self._sock.close(0)
+            self._sock.close(linger=1000)
             self._ctx.term()
             log.info("parameter server on %s closed", self.address)
 
-    # ------------------------------------------------------------- checkpoints
-    def checkpoint(self) -> None:
-        """Write values, optimizer state, accounting and applied sequence numbers."""
-        if not self.persist.enabled or not self._dirty:
-            return
-        state = {
-            "format": 1,
-            "mode": self.config.mode,
-            "store": self.store.state_dict(),
-            "ledger": self.ledger.state_dict(),
-            "consistency": self.consistency.state_dict(),
-        }
-        self.persist.save(state)
-        self._durable = self.ledger.lows()
-        self._dirty = False
-        self.counters["checkpoints"] += 1
-        log.debug("checkpoint written to %s", self.persist.path)
+    def _goodbye(self) -> None:
+        """Tell every client this server is going; ``aux`` 1: it can be restarted from
+        its checkpoint (clients wait for it), 0: its state is gone (clients fail)."""
+        restartable = int(self.persist.enabled)
+        header = protocol.Header(op=Op.BYE, flags=protocol.FLAG_REPLY, aux=restartable)
+        for routing in self._peers:
+            frames = protocol.encode(header, "", None, secret=self.config.secret)
+            self._send([routing, *frames])
 
-    def _restore(self) -> None:
-        state, logged = self.persist.start()
-        if state is not None:
-            self.store.load_state_dict(state["store"])
-            self.ledger.load_state_dict(state["ledger"])
-            self.consistency.load_state_dict(state["consistency"])
-            self._durable = self.ledger.lows()
-            log.info("resumed %d key(s) from checkpoint %s", len(self.store), self.persist.path)
-        if logged:
-            self._replaying = True
-            try:
-                for msg in logged:
-                    msg.routing = [b""]
-                    h = msg.header
-                    if h.status == Status.OK:
-                        self._execute(msg)
-                    else:  # a request that was refused
-                        self.ledger.mark(h.worker_id, h.session, h.seq, refused=True)
-            finally:
-                self._replaying = False
-            log.info("replayed %d logged request(s)", len(logged))
-            self.checkpoint()
-
-    def _durable_low(self, worker: int, session: int) -> int:
-        if not self.persist.enabled or self.persist.durable:
-            return self.ledger.low(worker, session)
-        sess, low = self._durable.get(worker, (0, 0))
-        return low if sess == session else 0
-
+    # ------------------------------------------------------------- persistence
     def _commit(self) -> None:
         """Answer flushes and held acknowledgements once what they cover is on disk."""
         if self._flushes and not self.persist.durable:
@@ -279,9 +175,12 @@ class Server:
             if msg.header.is_reply:
                 raise ProtocolError("a reply sent to a server")
         except ProtocolError as exc:
-            self._count_drop(exc)
+            refusal = self.rejects.reject(frames, exc)
+            if refusal is not None:
+                self._send(refusal)
             return
         msg.routing = [routing]
+        self._peers.add(routing)
         h = msg.header
         self.consistency.seen(h.worker_id)  # liveness; membership comes with a valid push
         if h.op in _DATA_OPS or h.op == Op.FLUSH:
@@ -302,143 +201,6 @@ class Server:
             log.info("shutdown requested by worker %d", h.worker_id)
             self._reply(msg)
             self._stop.set()
-
-    def _count_drop(self, exc: ProtocolError) -> None:
-        if isinstance(exc, AuthenticationError):
-            kind = "dropped_unauthenticated"
-        elif isinstance(exc, OversizedError):
-            kind = "dropped_oversized"
-        elif isinstance(exc, UnknownOpError):
-            kind = "dropped_unknown_op"
-        else:
-            kind = "dropped_malformed"
-        self.counters[kind] += 1
-        log.debug("dropped a message: %s", exc)
-
-    def stats(self) -> dict[str, Any]:
-        return {
-            "address": self.address,
-            "incarnation": self.incarnation,
-            "keys": len(self.store),
-            "parked_pulls": sum(len(v) for v in self._parked.values()),
-            "counters": dict(self.counters),
-            **self.consistency.summary(),
-        }
-
-    # ------------------------------------------------------------------ queue
-    def _run_queue(self) -> None:
-        while (taken := self._queue.pop()) is not None:
-            self._execute(taken[1])
-
-    def _execute(self, msg: Message) -> None:
-        op = msg.header.op
-        try:
-            if op == Op.INIT:
-                self._init(msg)
-            elif op == Op.PUSH:
-                self._push(msg)
-            else:
-                self._pull(msg)
-        except Exception as exc:
-            code = status.status_of(exc)
-            if code == Status.INTERNAL:
-                log.exception("%s of key %r failed", op.name, msg.key)
-            if op != Op.PULL:  # settled: the durable watermark passes it
-                h = msg.header
-                self.ledger.mark(h.worker_id, h.session, h.seq, refused=True)
-                self.persist.log(msg, refused=True)
-                self._dirty = True
-            self._error(msg, code, exc)
-
-    def _error(self, msg: Message, code: Status, exc: BaseException) -> None:
-        self.counters["errors"] += 1
-        self._reply(msg, code, str(exc).encode("utf-8", errors="replace"))
-
-    def _init(self, msg: Message) -> None:
-        h = msg.header
-        if not self.ledger.applied(h.worker_id, h.session, h.seq):
-            spec = msg.meta_json().get("optimizer")
-            optimizer = None if spec is None else OptimizerSpec.from_dict(spec)
-            self.store.init(msg.key, msg.tensor(), optimizer=optimizer)
-            self.persist.log(msg)
-            self.ledger.mark(h.worker_id, h.session, h.seq)
-            self._dirty = True
-            self.counters["init"] += 1
-        self._reply(msg, aux=self._durable_low(h.worker_id, h.session))
-
-    def _push(self, msg: Message) -> None:
-        h = msg.header
-        if self.ledger.applied(h.worker_id, h.session, h.seq):
-            self.counters["push_duplicate"] += 1
-            self._reply(msg, aux=self._durable_low(h.worker_id, h.session))
-            return
-        value = self.store.value(msg.key)
-        grad = msg.tensor()
-        if h.codec != "none":
-            grad = codecs.get(h.codec).decode(grad).to(value.dtype)
-        check_like(msg.key, value, grad)
-        hyper = msg.meta_json().get("hyperparameters")
-        if hyper:
-            self.store.set_hyperparameters(msg.key, hyper)
-        self.consistency.seen(h.worker_id, pushing=True)  # valid: a member from now on
-        for total in self.consistency.push(h.worker_id, msg.key, grad):
-            self._apply(msg.key, total)
-        self.persist.log(msg)
-        self.ledger.mark(h.worker_id, h.session, h.seq)
-        self._dirty = True
-        self.counters["push_applied"] += 1
-        self._reply(msg, aux=self._durable_low(h.worker_id, h.session))
-        self._wake(msg.key)
-
-    def _apply(self, key: str, grad: torch.Tensor) -> None:
-        self.store.apply(key, grad)
-        self._snapshots.pop(key, None)
-        self.counters["updates"] += 1
-
-    def _pull(self, msg: Message) -> None:
-        self.store.value(msg.key)  # unknown key: an error now, not after waiting
-        if self.consistency.pull_ready(msg.header.worker_id, msg.key):
-            self._answer_pull(msg)
-        else:
-            parked = self._parked.setdefault(msg.key, [])
-            rid = (msg.routing, msg.header.request_id)
-            if all((m.routing, m.header.request_id) != rid for m in parked):  # not a retry
-                self.counters["pull_waited"] += 1
-                parked.append(msg)
-
-    def _answer_pull(self, msg: Message) -> None:
-        snap = self._snapshots.get(msg.key)
-        if snap is None:
-            snap = self._snapshots[msg.key] = self.store.value(msg.key).detach().clone()
-        self.counters["pull"] += 1
-        self._reply(msg, payload=snap)
-
-    def _wake(self, key: str) -> None:
-        parked = self._parked.get(key)
-        if not parked:
-            return
-        waiting = []
-        for msg in parked:
-            if self.consistency.pull_ready(msg.header.worker_id, key):
-                self._answer_pull(msg)
-            else:
-                waiting.append(msg)
-        if waiting:
-            self._parked[key] = waiting
-        else:
-            del self._parked[key]
-
-    def _expire(self) -> None:
-        dropped = self.consistency.expire(self.config.heartbeat_timeout)
-        if not dropped:
-            return
-        self.counters["workers_dropped"] += len(dropped)
-        for key in self.consistency.tracked_keys():
-            for total in self.consistency.complete_rounds(key):
-                self._apply(key, total)
-                self._dirty = True
-        for key in list(self._parked):
-            self._wake(key)
 
     # ------------------------------------------------------------------ reply
     def _reply(
