@@ -38,16 +38,12 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Any
 
-import torch
 import zmq
 
 from gradhub.errors import (
-    AuthenticationError,
     ClosedError,
     GradhubError,
     ProtocolError,
@@ -55,52 +51,10 @@ from gradhub.errors import (
     ServerUnavailableError,
 )
 from gradhub.ps import protocol, status
-from gradhub.ps.lanes import PriorityLanes
+from gradhub.ps.link import MUTATING, Link, Request, closed_error, refused_error
 from gradhub.ps.protocol import Header, Message, Op, Status
 
 log = logging.getLogger(__name__)
-
-_MUTATING = (Op.PUSH, Op.INIT)
-
-
-@dataclass
-class Request:
-    """One request of the client; ``key`` is the key on the wire (a slice key for slices)."""
-
-    op: Op
-    server: int
-    key: str = ""
-    user_key: str = ""
-    priority: int = 0
-    payload: torch.Tensor | None = None
-    owned: bool = False  # payload is our own copy (may be kept for replay as is)
-    codec: str = "none"
-    meta: bytes = b""
-    on_reply: Callable[[Message], None] | None = None
-    future: Future[None] | None = None
-    order: int = 0
-    request_id: int = 0
-    seq: int = 0
-    submitted: float = 0.0
-    deadline: float = float("inf")
-    next_retry: float = float("inf")
-    nbytes: int = 0
-
-
-@dataclass
-class _Server:
-    address: str
-    sock: zmq.Socket[Any]
-    incarnation: int = 0
-    connected_before: bool = False
-    hello: Request | None = None
-    next_seq: int = 1
-    queue: PriorityLanes[str, Request] = field(default_factory=PriorityLanes)
-    inflight: dict[int, Request] = field(default_factory=dict)
-    inflight_bytes: int = 0
-    retained: dict[int, Request] = field(default_factory=dict)  # acked, not yet durable
-    next_heartbeat: float = 0.0
-    failure: GradhubError | None = None  # fails every request to this server at once
 
 
 class Channel:
@@ -133,7 +87,7 @@ class Channel:
         self._orders = itertools.count(1)
         self._stopping = False
         self._ctx = zmq.Context()
-        self._servers: list[_Server] = []
+        self._servers: list[Link] = []
         for a in addresses:
             sock = self._ctx.socket(zmq.DEALER)
             sock.linger = 0
@@ -147,7 +101,7 @@ class Channel:
                 sock.close(0)
                 self._close_sockets()
                 raise ValueError(f"cannot connect to parameter server {a!r}: {exc}") from exc
-            self._servers.append(_Server(a, sock))
+            self._servers.append(Link(a, sock))
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         os.set_blocking(self._wake_r, False)
@@ -181,7 +135,7 @@ class Channel:
             req.request_id = next(self._ids)
             req.submitted = time.monotonic()
             req.deadline = req.submitted + self.timeout
-            if req.op in _MUTATING:
+            if req.op in MUTATING:
                 srv = self._servers[req.server]
                 req.seq = srv.next_seq
                 srv.next_seq += 1
@@ -256,7 +210,7 @@ class Channel:
         finally:
             self._fail_all(ClosedError("the RemoteParameterServer was closed"))
 
-    def _send_ready(self, i: int, s: _Server, now: float) -> None:
+    def _send_ready(self, i: int, s: Link, now: float) -> None:
         if s.failure is not None:
             for req in s.queue.clear():
                 if req.future is not None and not req.future.done():
@@ -271,7 +225,7 @@ class Channel:
             self._send(s, Request(Op.HEARTBEAT, i, request_id=next(self._ids)))
         while (top := s.queue.peek()) is not None:
             req = top[1]
-            heavy = req.op in _MUTATING
+            heavy = req.op in MUTATING
             if (
                 heavy
                 and s.inflight_bytes
@@ -285,12 +239,12 @@ class Channel:
             req.next_retry = now + self.retry_interval
             self._send(s, req)
 
-    def _send_hello(self, i: int, s: _Server, now: float) -> None:
+    def _send_hello(self, i: int, s: Link, now: float) -> None:
         retry = min(self.retry_interval, self.heartbeat_interval)
         s.hello = Request(Op.HELLO, i, request_id=next(self._ids), next_retry=now + retry)
         self._send(s, s.hello)
 
-    def _send(self, s: _Server, req: Request) -> None:
+    def _send(self, s: Link, req: Request) -> None:
         header = Header(
             op=req.op,
             request_id=req.request_id,
@@ -322,26 +276,14 @@ class Channel:
             except ProtocolError as exc:
                 rid = protocol.refusal_request_id(frames)
                 if rid is not None and s.hello is not None and rid == s.hello.request_id:
-                    self._refused(s)
+                    self._fail_server(s, refused_error(s.address, self._secret is not None))
                     continue
                 self.dropped_replies += 1
                 log.warning("dropped a reply from %s: %s", s.address, exc)
                 continue
             self._handle(s, msg)
 
-    def _refused(self, s: _Server) -> None:
-        have = "this secret" if self._secret else "no secret"
-        self._fail_server(
-            s,
-            AuthenticationError(
-                f"parameter server {s.address} refused this client's hello: it was sent "
-                f"with {have}, which the server does not accept\n- help: give the server's "
-                "shared secret (the same text as its --secret-file; surrounding whitespace "
-                "is stripped on both sides), or none if the server has none"
-            ),
-        )
-
-    def _fail_server(self, s: _Server, exc: GradhubError) -> None:
+    def _fail_server(self, s: Link, exc: GradhubError) -> None:
         """Fail everything queued, in flight and kept for ``s``, and later requests to it."""
         with self._lock:
             s.failure = exc
@@ -356,12 +298,12 @@ class Channel:
             if r.future is not None and not r.future.done():
                 r.future.set_exception(exc)
 
-    def _handle(self, s: _Server, msg: Message) -> None:
+    def _handle(self, s: Link, msg: Message) -> None:
         h = msg.header
         if h.op == Op.HELLO:
             if s.hello is not None and h.request_id == s.hello.request_id:
                 if h.status == Status.REFUSED:
-                    self._refused(s)
+                    self._fail_server(s, refused_error(s.address, self._secret is not None))
                 else:
                     self._hello_done(s, h)
             return
@@ -380,7 +322,7 @@ class Channel:
                 self._restart_seen(s)
             return
         del s.inflight[h.request_id]
-        if req.op in _MUTATING:
+        if req.op in MUTATING:
             s.inflight_bytes -= req.nbytes
         future = req.future
         if h.status != Status.OK:
@@ -390,10 +332,10 @@ class Channel:
                     status.error_of(h.status, msg.text(), s.address, op, req.user_key)
                 )
             return
-        if req.op in _MUTATING:
-            self._retain(s, req, h.aux)
+        if req.op in MUTATING:
+            s.retain(req, h.aux)
         elif req.op == Op.FLUSH:
-            self._prune(s, h.aux)
+            s.prune(h.aux)
         try:
             if req.on_reply is not None:
                 req.on_reply(msg)
@@ -404,26 +346,14 @@ class Channel:
         if future is not None and not future.done():
             future.set_result(None)
 
-    def _prune(self, s: _Server, durable: int) -> None:
-        for seq in [q for q in s.retained if q <= durable]:
-            del s.retained[seq]
-
-    def _retain(self, s: _Server, req: Request, durable: int) -> None:
-        self._prune(s, durable)
-        if req.seq > durable:
-            if not req.owned and req.payload is not None:
-                req.payload, req.owned = req.payload.clone(), True
-            req.future, req.on_reply, req.deadline = None, None, float("inf")
-            s.retained[req.seq] = req
-
-    def _hello_done(self, s: _Server, h: Header) -> None:
+    def _hello_done(self, s: Link, h: Header) -> None:
         restarted = s.connected_before
         s.connected_before = True
         s.incarnation = h.incarnation
         s.hello = None
         if not restarted:
             return
-        self._prune(s, h.aux)
+        s.prune(h.aux)
         log.warning(
             "parameter server %s restarted; resending %d unsaved push(es) and %d in flight",
             s.address,
@@ -436,12 +366,12 @@ class Channel:
             req.next_retry = now + self.retry_interval
             if req.request_id not in s.inflight:
                 s.inflight[req.request_id] = req
-                if req.op in _MUTATING:
+                if req.op in MUTATING:
                     s.inflight_bytes += req.nbytes
             self._send(s, req)
         s.retained.clear()
 
-    def _goodbye(self, s: _Server, *, restartable: bool) -> None:
+    def _goodbye(self, s: Link, *, restartable: bool) -> None:
         if restartable:
             log.warning(
                 "parameter server %s is shutting down and can be restarted from its "
@@ -451,15 +381,9 @@ class Channel:
             )
             s.incarnation, s.hello = 0, None  # say hello again once it is back
             return
-        self._fail_server(
-            s,
-            ClosedError(
-                f"parameter server {s.address} shut down (it keeps no checkpoint to "
-                "restart from, so its values are gone)"
-            ),
-        )
+        self._fail_server(s, closed_error(s.address))
 
-    def _restart_seen(self, s: _Server) -> None:
+    def _restart_seen(self, s: Link) -> None:
         if s.hello is None:
             log.info("parameter server %s has a new incarnation; reconnecting", s.address)
             s.incarnation = 0
@@ -480,7 +404,7 @@ class Channel:
             for rid, req in list(s.inflight.items()):
                 if now >= req.deadline:
                     del s.inflight[rid]
-                    if req.op in _MUTATING:
+                    if req.op in MUTATING:
                         s.inflight_bytes -= req.nbytes
                     self._expire(s, req)
                 elif now >= req.next_retry and s.incarnation:
@@ -489,7 +413,7 @@ class Channel:
             for req in s.queue.remove_if(lambda r: now >= r.deadline):
                 self._expire(s, req)
 
-    def _expire(self, s: _Server, req: Request) -> None:
+    def _expire(self, s: Link, req: Request) -> None:
         if req.future is not None and not req.future.done():
             op = req.op.name.lower()
             req.future.set_exception(

@@ -391,7 +391,7 @@ def refusal_request_id(frames: Sequence[Any]) -> int | None:
     this client. A client trusts it only as an answer to its own pending hello.
     """
     try:
-        msg = _decode(frames, None, 0)
+        msg = _decode(frames, None, 1024)
     except ProtocolError:
         return None
     h = msg.header

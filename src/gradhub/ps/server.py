@@ -107,6 +107,7 @@ class Server(Service):
                     self._drain()
                     self._run_queue()
                     self._commit()
+                self._expire_waits()
                 now = time.monotonic()
                 if now >= next_hb:
                     next_hb = now + hb_every

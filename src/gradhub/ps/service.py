@@ -277,7 +277,8 @@ class Service:
         for msg in ready:
             self._answer_pull(msg)
 
-    def _expire(self) -> None:
+    def _expire_waits(self) -> None:
+        """Answer the held requests whose time is up, naming whom or what they wait for."""
         now = time.monotonic()
         for key, msg in self._rounds.expired(now):
             self.counters["wait_timeouts"] += 1
@@ -292,6 +293,9 @@ class Service:
                     f"{client_timeout(msg):g}s; call init({key!r}, ...) first"
                 ),
             )
+
+    def _expire(self) -> None:
+        """Drop silent workers; the rounds and pulls that waited for them go on."""
         dropped = self.consistency.expire(self.config.heartbeat_timeout)
         if not dropped:
             return

@@ -4,9 +4,10 @@ Two kinds wait (one :class:`Waits` each): pulls waiting for a sync round or for
 slow workers (ssp), and pushes or pulls of a key whose ``init`` has not arrived
 yet (a worker may start before the one that initialises). A client tells the
 server its timeout in the request header (``aux``, milliseconds); the server
-answers a request that is still waiting at 90% of it with an error that names
-the cause (the workers a round waits for, the key that was never initialised),
-so that the answer reaches the client before its own deadline.
+answers a request that is still waiting shortly before it (:func:`answer_by`)
+with an error that names the cause (the workers a round waits for, the key
+that was never initialised), so that the answer reaches the client before its
+own deadline.
 
 A retry of a held request (same connection and request id) is not held twice.
 """
@@ -25,6 +26,13 @@ DEFAULT_WAIT = 60.0
 def client_timeout(msg: Message) -> float:
     """The timeout the client gave with ``msg`` (seconds)."""
     return msg.header.aux / 1000 if msg.header.aux else DEFAULT_WAIT
+
+
+def answer_by(msg: Message, now: float) -> float:
+    """When the server answers ``msg`` if it is still waiting: a margin (a quarter
+    of the timeout, at most half a second) before the client's own deadline."""
+    timeout = client_timeout(msg)
+    return now + timeout - min(0.5, timeout / 4)
 
 
 @dataclass
@@ -51,7 +59,7 @@ class Waits:
         rid = (msg.routing, msg.header.request_id)
         if any((h.msg.routing, h.msg.header.request_id) == rid for h in held):
             return False
-        held.append(_Held(msg, now + 0.9 * client_timeout(msg)))
+        held.append(_Held(msg, answer_by(msg, now)))
         return True
 
     def release(

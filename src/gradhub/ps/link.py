@@ -1,0 +1,96 @@
+"""One server as the client's channel sees it: its requests and their state.
+
+A :class:`Link` holds, for one server, the requests queued in priority lanes,
+those in flight, and those it acknowledged but has not yet put on disk
+(*retained*: resent after a restart). :class:`Request` is one request of the
+client. Only the channel's I/O thread touches them (``failure`` is also read
+under the channel's lock by callers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import zmq
+
+from gradhub.errors import AuthenticationError, ClosedError, GradhubError
+from gradhub.ps.lanes import PriorityLanes
+from gradhub.ps.protocol import Message, Op
+
+MUTATING = (Op.PUSH, Op.INIT)
+"""Requests with a sequence number, applied exactly once and retained until durable."""
+
+
+@dataclass
+class Request:
+    """One request of the client; ``key`` is the key on the wire (a slice key for slices)."""
+
+    op: Op
+    server: int
+    key: str = ""
+    user_key: str = ""
+    priority: int = 0
+    payload: torch.Tensor | None = None
+    owned: bool = False  # payload is our own copy (may be kept for replay as is)
+    codec: str = "none"
+    meta: bytes = b""
+    on_reply: Callable[[Message], None] | None = None
+    future: Future[None] | None = None
+    order: int = 0
+    request_id: int = 0
+    seq: int = 0
+    submitted: float = 0.0
+    deadline: float = float("inf")
+    next_retry: float = float("inf")
+    nbytes: int = 0
+
+
+@dataclass
+class Link:
+    address: str
+    sock: zmq.Socket[Any]
+    incarnation: int = 0
+    connected_before: bool = False
+    hello: Request | None = None
+    next_seq: int = 1
+    queue: PriorityLanes[str, Request] = field(default_factory=PriorityLanes)
+    inflight: dict[int, Request] = field(default_factory=dict)
+    inflight_bytes: int = 0
+    retained: dict[int, Request] = field(default_factory=dict)  # acked, not yet durable
+    next_heartbeat: float = 0.0
+    failure: GradhubError | None = None  # fails every request to this server at once
+
+    def prune(self, durable: int) -> None:
+        """Forget the retained requests the server has on disk (``seq <= durable``)."""
+        for seq in [q for q in self.retained if q <= durable]:
+            del self.retained[seq]
+
+    def retain(self, req: Request, durable: int) -> None:
+        """Keep an acknowledged ``req`` until the server reports it durable."""
+        self.prune(durable)
+        if req.seq > durable:
+            if not req.owned and req.payload is not None:
+                req.payload, req.owned = req.payload.clone(), True
+            req.future, req.on_reply, req.deadline = None, None, float("inf")
+            self.retained[req.seq] = req
+
+
+def refused_error(address: str, had_secret: bool) -> AuthenticationError:
+    have = "this secret" if had_secret else "no secret"
+    return AuthenticationError(
+        f"parameter server {address} refused this client's hello: it was sent "
+        f"with {have}, which the server does not accept\n- help: give the server's "
+        "shared secret (the same text as its --secret-file; surrounding whitespace "
+        "is stripped on both sides), or none if the server has none"
+    )
+
+
+def closed_error(address: str) -> ClosedError:
+    return ClosedError(
+        f"parameter server {address} shut down (it keeps no checkpoint to "
+        "restart from, so its values are gone)"
+    )
