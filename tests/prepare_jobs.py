@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 from collections.abc import Callable
 from typing import Any
 
@@ -148,3 +149,106 @@ def own_loop(rank: int, world: int, cases: list[tuple[str, str, str, dict[str, A
     finally:
         runtime.close()
     return out
+
+
+def to_bytes(value: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def from_bytes(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def two_groups(model: nn.Module) -> torch.optim.Optimizer:
+    """Adam with two parameter groups (weights decayed, biases not)."""
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    return torch.optim.Adam(
+        [{"params": weights, "weight_decay": 0.01}, {"params": biases, "lr": 0.02}], lr=0.01
+    )
+
+
+def plain_steps(
+    model: Any, opt: torch.optim.Optimizer, rank: int, world: int, steps: range
+) -> None:
+    """Steps on global batches of 6 (split evenly over ``world`` ranks)."""
+    for step in steps:
+        x, y = global_batch("mlp", step, 0, 1)
+        x, y = torch.cat([x, x + 1]), torch.cat([y, (y + 1) % 3])  # 6 samples
+        share = 6 // world
+        opt.zero_grad()
+        mine = slice(rank * share, (rank + 1) * share)
+        nn.functional.cross_entropy(model(x[mine]), y[mine]).backward()
+        opt.step()
+
+
+def sharded_save(rank: int, world: int) -> Any:
+    """3 steps of a 2-rank sharded job; returns the model and the full optimizer state."""
+    runtime = gradhub.init(timeout=30)
+    try:
+        base = mlp()
+        model, opt = gradhub.prepare(base, two_groups(base), strategy="sharded", runtime=runtime)
+        with model:
+            plain_steps(model, opt, rank, world, range(3))
+            state = opt.state_dict()  # collective: every rank calls it
+            weights = model.state_dict()
+        return to_bytes((weights, state))  # tensors do not cross processes by pickling
+    finally:
+        runtime.close()
+
+
+def sharded_resume(rank: int, world: int, saved: bytes) -> Any:
+    weights, state = from_bytes(saved)
+    runtime = gradhub.init(timeout=30)
+    try:
+        base = mlp()
+        model, opt = gradhub.prepare(base, two_groups(base), strategy="sharded", runtime=runtime)
+        with model:
+            model.load_state_dict(weights)
+            opt.load_state_dict(state)
+            plain_steps(model, opt, rank, world, range(3, 5))
+            return params(model.module)
+    finally:
+        runtime.close()
+
+
+def misuse(rank: int, world: int, strategy: str) -> dict[str, str]:
+    """Each misuse, and the message it raised."""
+    runtime = gradhub.init(timeout=30)
+    seen: dict[str, str] = {}
+    try:
+        base = mlp()
+        original = torch.optim.SGD(base.parameters(), lr=0.1)
+        model, opt = gradhub.prepare(base, original, strategy=strategy, runtime=runtime)
+        x, y = batch("mlp", 0, 0, rank)
+        with model:
+            nn.functional.cross_entropy(model(x), y).backward()
+            try:
+                original.step()
+            except gradhub.MisuseError as exc:
+                seen["original"] = str(exc)
+            try:
+                nn.functional.cross_entropy(model(x), y).backward()
+            except gradhub.MisuseError as exc:
+                seen["second backward"] = str(exc)
+            opt.step()
+            opt.zero_grad()
+            with model.no_sync():
+                nn.functional.cross_entropy(model(x), y).backward()
+            try:
+                opt.step()
+            except gradhub.MisuseError as exc:
+                seen["no sync"] = str(exc)
+            gradhub.check_in_sync(model)  # still equal: nothing diverged
+            if rank == 1:
+                with torch.no_grad():
+                    next(model.parameters()).add_(1e-7)
+            try:
+                gradhub.check_in_sync(model)
+            except gradhub.ReplicasDivergedError as exc:
+                seen["diverged"] = str(exc)
+    finally:
+        runtime.close()
+    return seen

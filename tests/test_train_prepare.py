@@ -8,10 +8,24 @@ import numpy as np
 import pytest
 import torch
 
+import gradhub
+from gradhub.errors import OptimizerMismatchError
 from gradhub.ps.config import ServerConfig
 from gradhub.ps.launch import ServerHandle, start_server
 from harness import run_ranks
-from prepare_jobs import own_loop, single_process
+from prepare_jobs import (
+    from_bytes,
+    misuse,
+    mlp,
+    own_loop,
+    params,
+    plain_steps,
+    sharded_resume,
+    sharded_save,
+    single_process,
+    train,
+    two_groups,
+)
 
 
 @pytest.fixture
@@ -52,3 +66,92 @@ def test_own_loop_matches_ddp_and_single_process(sync_server: ServerHandle) -> N
     torch.testing.assert_close(
         results[0].value["sharded/mlp"][0], results[1].value["sharded/mlp"][0]
     )
+
+
+def test_sharded_state_dict_loads_into_a_plain_optimizer_and_a_3_rank_job() -> None:
+    saved = run_ranks(sharded_save, 2, timeout=120)
+    weights, state = from_bytes(saved[0].value)
+    # Every rank assembled the same full state dict.
+    other = from_bytes(saved[1].value)[1]
+    for i, entry in state["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(value, other["state"][i][key]), (i, key)
+    # The reference: 5 single-process steps.
+    ref = mlp()
+    ref_opt = two_groups(ref)
+    plain_steps(ref, ref_opt, 0, 1, range(5))
+    want = [p.detach().numpy() for p in ref.parameters()]
+    # A plain single-process optimizer takes the dict as its own.
+    plain = mlp()
+    plain.load_state_dict(weights)
+    plain_opt = two_groups(plain)
+    plain_opt.load_state_dict(state)
+    plain_steps(plain, plain_opt, 0, 1, range(3, 5))
+    # Slices and sums are float32 rounding apart from the single process.
+    _same([p.detach().numpy() for p in plain.parameters()], want, atol=1e-5)
+    # And a 3-rank job continues from it.
+    for r in run_ranks(sharded_resume, 3, saved[0].value, timeout=150):
+        _same(r.value, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "sharded"])
+def test_each_misuse_is_an_error_with_its_message(strategy: str) -> None:
+    results = run_ranks(misuse, 2, strategy, timeout=120)
+    for r in results:
+        seen = r.value
+        assert "handed to gradhub.prepare" in seen["original"]
+        assert "second backward() before optimizer.step()" in seen["second backward"]
+        assert "no_sync()" in seen["second backward"]
+        assert "without a backward() outside no_sync()" in seen["no sync"]
+        assert "rank(s) 1 differ from rank 0" in seen["diverged"]
+
+
+class _MySGD(torch.optim.SGD):
+    """A custom optimizer class: servers cannot rebuild it by name."""
+
+
+def _lr_change_run(strategy: str, servers: list[str]) -> list[np.ndarray]:
+    base = mlp()
+    model, opt = gradhub.prepare(
+        base,
+        torch.optim.SGD(base.parameters(), lr=0.2, momentum=0.9),
+        strategy=strategy,
+        servers=servers,
+        timeout=20,
+    )
+    with model:
+        train(model, opt, "mlp", 0, 1, no_sync=model.no_sync)
+        model.strategy.refresh()
+        return params(model.module)
+
+
+def test_ps_async_and_ssp_take_lr_changes_and_refuse_foreign_optimizers() -> None:
+    ref = mlp()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.2, momentum=0.9)
+    train(ref, ref_opt, "mlp", 0, 1, single=True)
+    want = params(ref)
+    with gradhub.init(timeout=20):
+        for mode in ("async", "ssp"):
+            with start_server(ServerConfig(mode=mode, workers=1)) as server:
+                # One worker: every push is applied before its pull, as one process
+                # steps; the schedule and the change by hand reached the servers.
+                _same(_lr_change_run(f"ps-{mode}", [server.address]), want, atol=1e-6)
+        fixed = ServerConfig(mode="async", workers=1, optimizer="sgd", lr=0.5)
+        with start_server(fixed) as server:
+            base = mlp()
+            with pytest.raises(OptimizerMismatchError, match=r"(?s)Adam.*SGD|SGD.*Adam"):
+                gradhub.prepare(
+                    base,
+                    torch.optim.Adam(base.parameters()),
+                    strategy="ps-async",
+                    servers=[server.address],
+                    timeout=20,
+                )
+            with pytest.raises(TypeError, match=r"not a torch\.optim optimizer"):
+                gradhub.prepare(
+                    base,
+                    _MySGD(base.parameters(), lr=0.1),
+                    strategy="ps-async",
+                    servers=[server.address],
+                    timeout=20,
+                )

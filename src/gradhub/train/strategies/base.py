@@ -129,6 +129,7 @@ class Strategy(abc.ABC):
         self._runtime, self.model, self.optimizer = runtime, model, optimizer
         self._setup(model, optimizer)
         for p in self.params:
+            self._handles.append(p.register_hook(self._before_grad))
             self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
         if optimizer is not None:
             self._handles.append(optimizer.register_step_pre_hook(self._guard_original))
@@ -157,14 +158,18 @@ class Strategy(abc.ABC):
             )
         self._samples = (int(samples), None if global_samples is None else int(global_samples))
 
+    def _before_grad(self, grad: torch.Tensor) -> None:
+        # Runs before the gradient is accumulated into ``.grad``: a refused
+        # backward leaves every gradient as it was.
+        if not self._in_backward and self.sync and self._synced:
+            raise MisuseError(
+                "a second backward() before optimizer.step(), outside no_sync(): ranks "
+                "would pair mismatched collectives\n- help: run every micro-batch but the "
+                "last under `with model.no_sync():`, or add the losses and call backward once"
+            )
+
     def _on_grad(self, p: torch.Tensor) -> None:
         if not self._in_backward:
-            if self.sync and self._synced:
-                raise MisuseError(
-                    "a second backward() before optimizer.step(), outside no_sync(): ranks "
-                    "would pair mismatched collectives\n- help: run every micro-batch but the "
-                    "last under `with model.no_sync():`, or add the losses and call backward once"
-                )
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
             if self.sync:
