@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import time
 
 import torch
 from sklearn.datasets import load_digits
@@ -30,7 +31,11 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=64, help="global batch size")
     p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--run-dir", default="runs/train_digits", help="metrics (gradhub plot it)")
+    p.add_argument(
+        "--run-dir",
+        default=time.strftime("runs/train_digits-%Y%m%d-%H%M%S"),
+        help="metrics (gradhub plot it); a new folder, or the old one with --resume",
+    )
     p.add_argument("--checkpoint-dir", help="write checkpoints here")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     args = p.parse_args()
