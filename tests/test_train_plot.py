@@ -1,0 +1,38 @@
+"""``gradhub plot``: ranges from the data, whole epochs, restarts break the line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gradhub.train.plotting import plot_run, segments
+
+
+def test_segments_break_where_the_count_restarts() -> None:
+    records = [{"step": s} for s in (1, 2, 3, 1, 2, 5)]
+    assert [[r["step"] for r in part] for part in segments(records, "step")] == [
+        [1, 2, 3],
+        [1, 2, 5],
+    ]
+
+
+def test_plot_axes_follow_the_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    lines = [{"kind": "step", "step": s, "loss": 2.0 / s} for s in (1, 2, 3, 1, 2)]
+    lines += [
+        {"kind": "epoch", "epoch": e, "eval_loss": 1.0 / (e + 1), "eval_accuracy": 0.3 + 0.1 * e}
+        for e in range(3)
+    ]
+    (tmp_path / "metrics.rank0.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
+    import matplotlib.figure
+
+    saved: list[matplotlib.figure.Figure] = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: saved.append(fig))
+    plot_run(tmp_path)
+    loss, eval_loss, acc = saved[0].axes
+    assert len(loss.lines) == 2  # the restart is a second segment, not a line back to step 1
+    low, high = acc.get_ylim()
+    assert low < 0.3 and 0.5 < high < 0.6  # from the data (it was fixed at 0.8-1.0)
+    assert all(t == int(t) for t in acc.get_xticks())
+    assert eval_loss.get_title() == "eval_data loss" and acc.get_title() == "eval_data accuracy"
