@@ -107,7 +107,13 @@ def _launch_env(environ: Mapping[str, str]) -> tuple[int, int, int]:
 
 
 def _start(
-    store: dist.Store, rank: int, world_size: int, backend: str, timeout: float, local_rank: int
+    store: dist.Store,
+    rank: int,
+    world_size: int,
+    backend: str,
+    timeout: float,
+    local_rank: int,
+    transport: str | None = None,
 ) -> CollectiveGroup:
     if backend == "nccl":
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
@@ -116,7 +122,9 @@ def _start(
     )
     pg = dist.group.WORLD
     assert pg is not None
-    group = CollectiveGroup(pg, store=store, timeout=timeout, owns_process_group=True)
+    group = CollectiveGroup(
+        pg, store=store, timeout=timeout, owns_process_group=True, transport=transport
+    )
     log.info("[rank %d] %s process group of %d ready", rank, backend, world_size)
     return group
 
@@ -166,13 +174,15 @@ def local_group(
     *,
     backend: str | None = None,
     timeout: float | None = None,
+    transport: str | None = None,
 ) -> CollectiveGroup:
     """Set up the default process group on 127.0.0.1:``port`` (rank 0 hosts the store).
 
     For tests, examples and benchmarks: every rank calls it with the same
     ``world_size`` and ``port`` (see :func:`free_loopback_port`). Use it as a
     context manager to tear the group down. ``timeout`` defaults to
-    :data:`DEFAULT_TIMEOUT`.
+    :data:`DEFAULT_TIMEOUT`. ``transport``: see :mod:`gradhub.collective.transport`
+    (default: ``GRADHUB_TRANSPORT``, else shared memory on one host, the ring across hosts).
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
@@ -182,7 +192,7 @@ def local_group(
     store = dist.TCPStore(
         "127.0.0.1", port, world_size, is_master=rank == 0, timeout=timedelta(seconds=limit)
     )
-    return _start(store, rank, world_size, backend, limit, rank)
+    return _start(store, rank, world_size, backend, limit, rank, transport)
 
 
 def destroy_process_group() -> None:

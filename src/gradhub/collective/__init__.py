@@ -4,14 +4,17 @@
   check-ins and errors that name the rank (set-up: :mod:`gradhub.runtime`,
   re-exported here).
 - :mod:`.schedule`: the ring schedule, pure.
-- :mod:`.ring`: :func:`reduce_scatter` and :func:`all_gather` (gloo ring or NCCL).
+- :mod:`.ring`: :func:`reduce_scatter`, :func:`all_gather`, :func:`all_reduce`
+  (gloo ring or NCCL), dispatching to the group's transport.
+- :mod:`.transport`: which transport a group takes (``shm``, ``ring``, ``gloo``);
+  :mod:`.hosts`: which ranks share a host; :mod:`.shm`: shared memory.
 - :mod:`.allreduce_parameter`: :class:`AllReduceParameter` (BigDL's).
 - :mod:`.sharded_optimizer`: :class:`ShardedOptimizer` (ZeRO-1).
 """
 
 from gradhub.collective.allreduce_parameter import AllReduceParameter
 from gradhub.collective.group import CollectiveFuture, CollectiveGroup
-from gradhub.collective.ring import all_gather, reduce_scatter
+from gradhub.collective.ring import all_gather, all_reduce, reduce_scatter
 from gradhub.collective.sharded_optimizer import ShardedOptimizer
 
 # Set-up lives in gradhub.runtime (which imports .group, so it comes last here).
@@ -30,6 +33,7 @@ __all__ = [
     "CollectiveGroup",
     "ShardedOptimizer",
     "all_gather",
+    "all_reduce",
     "destroy_process_group",
     "free_loopback_port",
     "init_process_group_from_env",

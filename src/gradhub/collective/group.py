@@ -124,8 +124,11 @@ class CollectiveGroup:
         store: dist.Store | None,
         timeout: float,
         owns_process_group: bool = False,
+        transport: str | None = None,
     ):
         self.process_group = process_group
+        self.transport = transport
+        """Requested transport (:mod:`.transport`); ``None``: ``GRADHUB_TRANSPORT`` or auto."""
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
         self.backend = str(dist.get_backend(process_group))
@@ -150,7 +153,12 @@ class CollectiveGroup:
         self._broken: str | None = None
         self._closed = False
         self._scratch: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        self._on_close: list[Callable[[], None]] = []
         self._check_in(0)
+
+    def on_close(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` when the group closes (after its last operation)."""
+        self._on_close.append(fn)
 
     # ----------------------------------------------------------------- set-up
     @classmethod
@@ -397,6 +405,9 @@ class CollectiveGroup:
         self._closed = True
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+        for fn in self._on_close:
+            fn()
+        self._on_close.clear()
         self._scratch.clear()
         if self._owns and dist.is_initialized():
             dist.destroy_process_group(self.process_group)

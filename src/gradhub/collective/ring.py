@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from gradhub import codecs
-from gradhub.collective.group import CollectiveGroup, Operation
+from gradhub.collective.group import CollectiveFuture, CollectiveGroup, Operation
 from gradhub.collective.schedule import (
     all_gather_recv_chunk,
     message_tag,
@@ -61,6 +61,7 @@ from gradhub.collective.schedule import (
     reduction_order,
     sub_ranges,
 )
+from gradhub.collective.transport import chosen, select
 from gradhub.errors import ShapeMismatchError
 from gradhub.partition import partition_ranges
 
@@ -157,7 +158,69 @@ def all_gather(
         ).wait()
 
 
+def all_reduce(
+    tensor: torch.Tensor,
+    *,
+    group: Group = None,
+    codec: str | codecs.Codec = "none",
+    timeout: float | None = None,
+    pipeline_elements: int = DEFAULT_PIPELINE_ELEMENTS,
+    small_bytes: int = SMALL_BYTES,
+) -> CollectiveFuture[torch.Tensor]:
+    """Sum ``tensor`` over the ranks, in place; returns a future of ``tensor``.
+
+    ``tensor`` must be contiguous fp32 on the group's device, the same number
+    of elements on every rank; do not touch it until ``wait()`` returns. It is
+    a reduce-scatter into this rank's own slice followed by an all-gather over
+    the whole tensor (the same bits as :func:`reduce_scatter` +
+    :func:`all_gather`, on every rank), on the group's transport; with
+    transport ``"gloo"`` it is gloo's own ``all_reduce``.
+    """
+    g = CollectiveGroup.of(group)
+    c = codecs.get(codec)
+    flat = _check_out(tensor, tensor.numel(), g.device).view(-1)
+    return g.submit(
+        "all_reduce",
+        lambda: run_all_reduce(
+            g, flat, c, timeout=timeout, pipeline=pipeline_elements, small_bytes=small_bytes
+        ),
+    )
+
+
 # ------------------------------------------------ bodies (on the worker thread)
+def run_all_reduce(
+    group: CollectiveGroup,
+    flat: torch.Tensor,
+    codec: codecs.Codec,
+    *,
+    timeout: float | None = None,
+    pipeline: int = DEFAULT_PIPELINE_ELEMENTS,
+    small_bytes: int = SMALL_BYTES,
+) -> torch.Tensor:
+    """The in-place all-reduce of ``flat``; call it on the group's worker thread."""
+    plain = isinstance(codec, codecs.NoCompression)
+    if group.world_size > 1 and plain and chosen(group) == "gloo":
+        op = group.begin("all_reduce", timeout)
+        group.wait(op, dist.all_reduce(flat, group=group.process_group, async_op=True), None)
+        return flat
+    start, length = partition_ranges(flat.numel(), group.world_size)[group.rank]
+    own = flat[start : start + length]
+    run_reduce_scatter(
+        group, flat, codec, out=own, timeout=timeout, pipeline=pipeline, small_bytes=small_bytes
+    )
+    wire = own if plain else codec.encode(own)
+    return run_all_gather(
+        group,
+        wire,
+        flat.numel(),
+        codec,
+        out=flat,
+        timeout=timeout,
+        pipeline=pipeline,
+        small_bytes=small_bytes,
+    )
+
+
 def run_reduce_scatter(
     group: CollectiveGroup,
     flat: torch.Tensor,
@@ -182,9 +245,13 @@ def run_reduce_scatter(
         flat_out.copy_(flat[start : start + length])
         return out
     plain = isinstance(codec, codecs.NoCompression)
-    if group.backend == "nccl" and plain:
+    path, shared = select(group, op)
+    small = path == "gloo" or flat.numel() * codec.bytes_per_element <= small_bytes
+    if shared is not None:
+        shared.reduce_scatter(op, flat, codec, ranges, flat_out, hop=not small)
+    elif group.backend == "nccl" and plain:
         _native_reduce_scatter(group, op, flat, ranges, flat_out)
-    elif group.backend == "nccl" or flat.numel() * codec.bytes_per_element <= small_bytes:
+    elif group.backend == "nccl" or small:
         _exchange_reduce_scatter(group, op, flat, codec, ranges, flat_out)
     else:
         prescale = codec.wire_dtype == torch.float16
@@ -226,7 +293,11 @@ def run_all_gather(
     if group.world_size == 1:
         out.view(-1)[start : start + length].copy_(codec.decode(own_wire))
         return out
-    if group.backend == "nccl" or size * codec.bytes_per_element <= small_bytes:
+    path, shared = select(group, op)
+    if shared is not None:
+        shared.all_gather(op, own_wire, codec, ranges, out.view(-1))
+        return out
+    if path == "gloo" or group.backend == "nccl" or size * codec.bytes_per_element <= small_bytes:
         _collective_all_gather(group, op, own_wire, out, codec, ranges)
         return out
     direct = codec.wire_dtype == torch.float32

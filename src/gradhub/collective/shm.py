@@ -1,0 +1,495 @@
+"""Reduce-scatter and all-gather through shared memory, for ranks on one host.
+
+Memory: the lowest rank (the leader) creates anonymous ``memfd`` segments and
+hands them to the other ranks over an abstract-namespace Unix socket whose
+random name is published in the group's c10d store; every rank maps them
+(``mmap``) and views them with ``torch.frombuffer``, then closes the
+descriptor. Nothing has a name in a file system, so a killed process leaves
+nothing behind: the kernel frees a segment when its last mapping goes.
+
+- A small control segment holds one 64-bit sequence counter per rank, each
+  on its own cache line.
+- A data segment holds two sets of one region per rank (each region as large
+  as the vector); operation ``k`` uses set ``k % 2``. It grows (a new segment
+  from the leader, sent over the socket) when a larger vector comes; every
+  rank grows at the same operation because every rank sees the same sizes.
+
+Algorithm (one synchronisation per operation):
+
+1. Each rank writes what the other ranks need into its region of set ``k % 2``
+   (reduce-scatter: every chunk but its own; all-gather: its own slice), then
+   stores ``k`` in its counter and wakes the waiters.
+2. It waits until every other counter reaches ``k``.
+3. Reduce-scatter: it sums its own chunk from every rank's region in
+   :func:`.schedule.reduction_order` (its own values, read where they lie,
+   last). All-gather: it copies (decodes) every rank's slice out.
+
+Operation ``k + 2`` reuses set ``k % 2``; a rank gets there only after every
+counter reached ``k + 1``, i.e. after every rank finished reading operation
+``k``. So one synchronisation per operation suffices.
+
+Bits: the sums are those of the ring (:mod:`.ring`) for every codec. With
+``hop=True`` (the ring's point-to-point path) a lossy codec rounds the partial
+sum once per hop, as the ring does, and ``"fp16"`` divides by the number of
+ranks before and multiplies after; with ``hop=False`` (the collective path
+used for small vectors) every contribution is rounded once. The all-gather
+decodes the owner's wire values on every rank. Memory ordering: a counter is
+stored after the data it publishes; x86-64 keeps stores in order, and the
+``futex`` system calls on both sides are full barriers.
+
+Waiting: a short bounded spin (a few microseconds), then ``futex`` waits on
+the peer's counter in slices of :data:`WAIT_SLICE` seconds; after each slice
+the peer's process is checked through a ``pidfd``: a dead peer is a
+:class:`~gradhub.errors.WorkerFailedError` naming its rank and pid, and a peer
+that is alive but late past the operation's deadline a
+:class:`~gradhub.errors.CollectiveTimeoutError` naming it. Either breaks the
+group, as on the ring.
+
+Linux only (``memfd_create``, ``pidfd_open``, ``futex``), x86-64 or aarch64.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+import platform
+import secrets
+import select
+import socket
+import struct
+from collections.abc import Sequence
+from datetime import timedelta
+
+import torch
+
+from gradhub import codecs
+from gradhub.collective.group import CollectiveGroup, Operation
+from gradhub.collective.schedule import reduction_order
+from gradhub.errors import CollectiveTimeoutError, WorkerFailedError
+
+_log = logging.getLogger("gradhub.collective")
+
+WAIT_SLICE = 0.1
+"""Seconds a futex wait sleeps before the peer's process is checked again."""
+
+SPIN = 64
+"""Counter reads before a waiter sleeps in the kernel (a few microseconds)."""
+
+_LINE = 64  # bytes per counter: one cache line each
+_STRIDE = _LINE // 8
+_ALIGN = 4096
+_MIN_CAPACITY = 1 << 20
+_SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
+_HELLO = struct.Struct("<qq")  # rank, pid
+_GROW = struct.Struct("<q")  # bytes per region
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def supported() -> bool:
+    """Whether this platform has what the transport needs."""
+    return (
+        _SYS_FUTEX is not None
+        and hasattr(os, "memfd_create")
+        and hasattr(os, "pidfd_open")
+        and hasattr(socket, "send_fds")
+    )
+
+
+class _Mapping:
+    """One mapped memfd; the descriptor is closed as soon as it is mapped."""
+
+    def __init__(self, fd: int, size: int):
+        try:
+            self.mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        self.size = size
+        self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8) if size else None
+
+    def close(self) -> None:
+        self.bytes = None
+        try:
+            self.mm.close()
+        except BufferError:  # a view is still alive somewhere; the GC unmaps it
+            _log.debug("shared-memory mapping still in use; left to the garbage collector")
+
+
+def _new_segment(size: int, name: str) -> int:
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, size)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+class ShmTransport:
+    """Shared-memory reduce-scatter and all-gather among the ranks of one host.
+
+    ``ranks``: the group ranks that share this host, ascending; this process is
+    one of them. Set up collectively (every rank in ``ranks`` constructs it at
+    the same operation); :meth:`close` unmaps everything (idempotent).
+    """
+
+    name = "shm"
+
+    def __init__(self, group: CollectiveGroup, ranks: Sequence[int], op: Operation, key: str):
+        if not supported():
+            raise RuntimeError("shared-memory transport needs Linux with memfd, pidfd and futex")
+        self.group = group
+        self.ranks = list(ranks)
+        self.size = len(self.ranks)
+        self.index = self.ranks.index(group.rank)
+        self._sequence = 0
+        self._capacity = 0
+        self._data: _Mapping | None = None
+        self._peers: dict[int, socket.socket] = {}  # index -> socket (leader: all; others: 0)
+        self._pidfds: dict[int, int] = {}
+        self._pids: list[int] = []
+        self._control: _Mapping | None = None
+        self._closed = False
+        self._counters: ctypes.Array[ctypes.c_int64] = (ctypes.c_int64 * 0)()
+        self._base = 0
+        try:
+            self._connect(op, key)
+        except BaseException:
+            self.close()
+            raise
+        assert self._control is not None
+        self._counters = (ctypes.c_int64 * (self.size * _STRIDE)).from_buffer(self._control.mm)
+        self._base = ctypes.addressof(self._counters)
+
+    # ----------------------------------------------------------------- set-up
+    def _connect(self, op: Operation, key: str) -> None:
+        store = self.group.store
+        assert store is not None
+        control_bytes = max(_ALIGN, self.size * _LINE)
+        if self.index == 0:
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            try:
+                address = f"\0gradhub-shm-{secrets.token_hex(12)}"
+                listener.bind(address)
+                listener.listen(self.size)
+                store.set(f"{key}/socket", address[1:])
+                fd = _new_segment(control_bytes, "gradhub-control")
+                try:
+                    pids = {0: os.getpid()}
+                    for _ in range(self.size - 1):
+                        listener.settimeout(max(op.remaining(), 0.001))
+                        try:
+                            conn, _ = listener.accept()
+                        except TimeoutError:
+                            missing = [self.ranks[i] for i in range(self.size) if i not in pids]
+                            raise self._setup_timeout(op, missing) from None
+                        conn.settimeout(max(op.remaining(), 0.001))
+                        rank, pid = _HELLO.unpack(_recv_exact(conn, _HELLO.size))
+                        creds = conn.getsockopt(
+                            socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")
+                        )
+                        peer_pid, peer_uid, _ = struct.unpack("3i", creds)
+                        if rank not in self.ranks or peer_pid != pid or peer_uid != os.getuid():
+                            conn.close()
+                            raise WorkerFailedError(
+                                f"[rank {self.group.rank}] {op.name}: an unexpected process "
+                                f"(pid {peer_pid}) joined the shared-memory set-up as rank {rank}"
+                            )
+                        index = self.ranks.index(rank)
+                        self._peers[index], pids[index] = conn, pid
+                    self._pids = [pids[i] for i in range(self.size)]
+                    table = struct.pack(f"<{self.size}q", *self._pids)
+                    for conn in self._peers.values():
+                        socket.send_fds(conn, [table], [fd])
+                    self._control = _Mapping(os.dup(fd), control_bytes)
+                finally:
+                    os.close(fd)
+            finally:
+                listener.close()
+        else:
+            leader = self.ranks[0]
+            try:
+                store.wait([f"{key}/socket"], _seconds(op))
+            except RuntimeError:
+                raise self._setup_timeout(op, [leader]) from None
+            address = "\0" + store.get(f"{key}/socket").decode()
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            self._peers[0] = conn
+            conn.settimeout(max(op.remaining(), 0.001))
+            conn.connect(address)
+            conn.sendall(_HELLO.pack(self.group.rank, os.getpid()))
+            try:
+                table, fds, _, _ = socket.recv_fds(conn, 8 * self.size, 1)
+            except TimeoutError:
+                raise self._setup_timeout(op, [leader]) from None
+            if len(fds) != 1 or len(table) != 8 * self.size:
+                for fd in fds:
+                    os.close(fd)
+                raise self._died(op, 0, "set-up")
+            self._pids = list(struct.unpack(f"<{self.size}q", table))
+            self._control = _Mapping(fds[0], control_bytes)
+        for i, pid in enumerate(self._pids):
+            if i != self.index:
+                try:
+                    self._pidfds[i] = os.pidfd_open(pid)
+                except ProcessLookupError:
+                    raise self._died(op, i, "set-up") from None
+        _log.debug(
+            "[rank %d] shared memory with ranks %s (pids %s)",
+            self.group.rank,
+            self.ranks,
+            self._pids,
+        )
+
+    # ------------------------------------------------------------ collectives
+    def reduce_scatter(
+        self,
+        op: Operation,
+        flat: torch.Tensor,
+        codec: codecs.Codec,
+        ranges: list[tuple[int, int]],
+        out: torch.Tensor,
+        *,
+        hop: bool,
+    ) -> None:
+        """Sum chunk ``ranges[self.index]`` of ``flat`` over the ranks into ``out``.
+
+        ``out`` may be that chunk of ``flat`` itself. ``hop``: round like the
+        ring's point-to-point path (see the module docstring).
+        """
+        P, me = self.size, self.index
+        plain = isinstance(codec, codecs.NoCompression)
+        prescale = hop and codec.wire_dtype == torch.float16
+        dtype = torch.float32 if plain or hop else codec.wire_dtype
+        k, regions = self._begin(op, flat.numel(), dtype)
+        mine = regions[me]
+        for c, (s, n) in enumerate(ranges):
+            if c == me or n == 0:
+                continue
+            if prescale:
+                torch.div(flat[s : s + n], P, out=mine[s : s + n])
+            elif plain or hop:
+                mine[s : s + n].copy_(flat[s : s + n])
+            else:
+                mine[s : s + n].copy_(codec.encode(flat[s : s + n]))
+        self._publish(k)
+        self._wait_all(op, k)
+        s, n = ranges[me]
+        order = reduction_order(me, P)  # this rank last
+        parts = [regions[j][s : s + n] for j in order[:-1]]
+        own = flat[s : s + n]
+        if plain:
+            acc = parts[0]
+            if P > 2:
+                acc = torch.add(parts[0], parts[1], out=self.group.scratch("shm_acc", n, dtype))
+                for part in parts[2:]:
+                    acc.add_(part)
+            torch.add(acc, own, out=out)
+        elif hop:
+            last = torch.div(own, P) if prescale else own
+            acc = codec.decode(codec.encode(parts[0]))
+            for part in parts[1:]:
+                acc = codec.decode(codec.encode(acc.add_(part)))
+            torch.add(acc, last, out=out)
+            if prescale:
+                out.mul_(P)
+        else:
+            last = codec.decode(codec.encode(own))  # before out (maybe own) is written
+            out.copy_(codec.decode(parts[0]))
+            for part in parts[1:]:
+                out.add_(codec.decode(part))
+            out.add_(last)
+        del parts, regions, mine
+
+    def all_gather(
+        self,
+        op: Operation,
+        own_wire: torch.Tensor,
+        codec: codecs.Codec,
+        ranges: list[tuple[int, int]],
+        out: torch.Tensor,
+    ) -> None:
+        """Every rank's encoded slice, decoded into its place in ``out`` (flat fp32)."""
+        me = self.index
+        size = ranges[-1][0] + ranges[-1][1]
+        plain = isinstance(codec, codecs.NoCompression)
+        k, regions = self._begin(op, size, codec.wire_dtype)
+        s, n = ranges[me]
+        regions[me][s : s + n].copy_(own_wire)
+        self._publish(k)
+        own_out = out[s : s + n]
+        if n and not (plain and own_wire.data_ptr() == own_out.data_ptr()):
+            own_out.copy_(own_wire if plain else codec.decode(own_wire))
+        self._wait_all(op, k)
+        for c, (s, n) in enumerate(ranges):
+            if c == me or n == 0:
+                continue
+            part = regions[c][s : s + n]
+            out[s : s + n].copy_(part if plain else codec.decode(part))
+        del regions
+
+    # -------------------------------------------------------- synchronisation
+    def _begin(
+        self, op: Operation, numel: int, dtype: torch.dtype
+    ) -> tuple[int, list[torch.Tensor]]:
+        """Number the operation, grow the data segment if needed, and return
+        the regions of this operation's set as ``numel``-element views."""
+        if self._closed:
+            raise RuntimeError("shared-memory transport is closed")
+        self._sequence += 1
+        k = self._sequence
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        need = -(-max(numel * itemsize, 1) // _ALIGN) * _ALIGN
+        if need > self._capacity:
+            self._grow(op, max(need, 2 * self._capacity, _MIN_CAPACITY))
+        assert self._data is not None and self._data.bytes is not None
+        base = (k % 2) * self.size * self._capacity
+        data = self._data.bytes
+        regions = [
+            data[base + i * self._capacity : base + i * self._capacity + numel * itemsize].view(
+                dtype
+            )
+            for i in range(self.size)
+        ]
+        return k, regions
+
+    def _grow(self, op: Operation, capacity: int) -> None:
+        total = 2 * self.size * capacity
+        if self.index == 0:
+            fd = _new_segment(total, "gradhub-data")
+            try:
+                message = _GROW.pack(capacity)
+                for i, conn in self._peers.items():
+                    try:
+                        socket.send_fds(conn, [message], [fd])
+                    except OSError:
+                        raise self._died(op, i, "growing the shared segment") from None
+                mapping = _Mapping(os.dup(fd), total)
+            finally:
+                os.close(fd)
+        else:
+            conn = self._peers[0]
+            conn.settimeout(max(op.remaining(), 0.001))
+            try:
+                message, fds, _, _ = socket.recv_fds(conn, _GROW.size, 1)
+            except TimeoutError:
+                raise self._late(op, 0) from None
+            except OSError:
+                raise self._died(op, 0, "growing the shared segment") from None
+            if len(fds) != 1 or len(message) != _GROW.size:
+                for fd in fds:
+                    os.close(fd)
+                raise self._died(op, 0, "growing the shared segment")
+            (capacity,) = _GROW.unpack(message)
+            mapping = _Mapping(fds[0], total)
+        if self._data is not None:
+            self._data.close()
+        self._data, self._capacity = mapping, capacity
+
+    def _publish(self, k: int) -> None:
+        self._counters[self.index * _STRIDE] = k  # one aligned 8-byte store
+        _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(self._address(self.index)), _FUTEX_WAKE, 1 << 30)
+
+    def _address(self, index: int) -> int:
+        return self._base + index * _LINE
+
+    def _wait_all(self, op: Operation, k: int) -> None:
+        counters = self._counters
+        for j in range(self.size):
+            if j == self.index:
+                continue
+            for _ in range(SPIN):
+                if counters[j * _STRIDE] >= k:
+                    break
+            else:
+                self._sleep_until(op, j, k)
+
+    def _sleep_until(self, op: Operation, j: int, k: int) -> None:
+        counters, slot = self._counters, j * _STRIDE
+        address = ctypes.c_void_p(self._address(j))
+        timeout = _Timespec()
+        while True:
+            seen = counters[slot]
+            if seen >= k:
+                return
+            remaining = op.remaining()
+            if remaining <= 0:
+                raise self._late(op, j)
+            wait = min(WAIT_SLICE, remaining)
+            timeout.tv_sec, timeout.tv_nsec = int(wait), int((wait % 1) * 1e9)
+            # Sleeps only while the counter's low 32 bits still read `seen`.
+            _libc.syscall(
+                _SYS_FUTEX,
+                address,
+                _FUTEX_WAIT,
+                ctypes.c_uint32(seen & 0xFFFFFFFF),
+                ctypes.byref(timeout),
+            )
+            if counters[slot] < k and not self._alive(j):
+                raise self._died(op, j, op.name)
+
+    def _alive(self, j: int) -> bool:
+        poller = select.poll()
+        poller.register(self._pidfds[j], select.POLLIN)
+        return not poller.poll(0)  # a pidfd is readable once its process exited
+
+    # ---------------------------------------------------------------- errors
+    def _late(self, op: Operation, j: int) -> CollectiveTimeoutError:
+        return self.group._timed_out(op, self.ranks[j])
+
+    def _died(self, op: Operation, j: int, during: str) -> WorkerFailedError:
+        rank = self.ranks[j]
+        pid = self._pids[j] if j < len(self._pids) else "?"
+        self.group._broken = f"{op.name} failed"
+        err = WorkerFailedError(
+            f"[rank {self.group.rank}] {op.name}: rank {rank} (pid {pid}) died during "
+            f"{during} (shared memory). The group is unusable: stop this process and "
+            "restart the job"
+        )
+        _log.error("%s", err)
+        return err
+
+    def _setup_timeout(self, op: Operation, missing: list[int]) -> CollectiveTimeoutError:
+        self.group._broken = f"{op.name} timed out"
+        return CollectiveTimeoutError(
+            op.name, missing, op.timeout, "shared-memory set-up; rank(s) never connected"
+        )
+
+    # -------------------------------------------------------------- lifecycle
+    def close(self) -> None:
+        """Unmap the segments, close sockets and pidfds. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._counters = (ctypes.c_int64 * 0)()  # releases the control mapping's buffer
+        for mapping in (self._data, self._control):
+            if mapping is not None:
+                mapping.close()
+        self._data = self._control = None
+        for conn in self._peers.values():
+            conn.close()
+        self._peers.clear()
+        for fd in self._pidfds.values():
+            os.close(fd)
+        self._pidfds.clear()
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = conn.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("peer closed the connection during set-up")
+        data += chunk
+    return data
+
+
+def _seconds(op: Operation) -> timedelta:
+    return timedelta(seconds=max(op.remaining(), 0.001))
