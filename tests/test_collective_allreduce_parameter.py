@@ -6,6 +6,7 @@ Each spawned job groups several checks, to keep process start-ups few.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -205,9 +206,10 @@ def _user_group(rank: int, world_size: int, port: int) -> dist.TCPStore:
 
 
 def timeout_job(
-    rank: int, world_size: int, port: int, size: int, user_group: bool
+    rank: int, world_size: int, port: int, size: int, user_group: bool, transport: str
 ) -> tuple[str, list[int], str, float]:
     torch.set_num_threads(1)
+    os.environ["GRADHUB_TRANSPORT"] = transport  # this child process only
     if user_group:
         store = _user_group(rank, world_size, port)
         # No timeout anywhere in gradhub: the user's group's own one applies.
@@ -246,15 +248,19 @@ def timeout_job(
             group.close()
 
 
-# 100 elements go through gloo's collectives, 2M (8 MB > SMALL_BYTES) through
-# the ring; the last case sets the default group up as a torch user does, with
-# its own timeout, and gives gradhub none.
+# On the ring, 100 elements go through gloo's collectives, 2M (8 MB > SMALL_BYTES)
+# through point-to-point messages; the third case sets the default group up as a
+# torch user does, with its own timeout, and gives gradhub none; shared memory
+# waits on its counters.
 @pytest.mark.slow
-@pytest.mark.parametrize(("size", "user_group"), [(100, False), (2_000_000, False), (100, True)])
+@pytest.mark.parametrize(
+    ("size", "user_group", "transport"),
+    [(100, False, "ring"), (2_000_000, False, "ring"), (100, True, "ring"), (100, False, "shm")],
+)
 def test_a_rank_that_does_not_take_part_is_named_within_the_timeout(
-    size: int, user_group: bool
+    size: int, user_group: bool, transport: str
 ) -> None:
-    results = run_ranks(timeout_job, 3, free_port(), size, user_group, timeout=60)
+    results = run_ranks(timeout_job, 3, free_port(), size, user_group, transport, timeout=60)
     assert not any(r.killed for r in results), "a process hung"
     for r in results:
         if r.rank == ABSENT:

@@ -74,7 +74,7 @@ def error_bound(xs: list[torch.Tensor], codec: codecs.Codec, world_size: int) ->
 def ring_job(rank: int, world_size: int, port: int) -> dict[str, str]:
     torch.set_num_threads(1)
     digests: dict[str, str] = {}
-    with local_group(rank, world_size, port, timeout=60) as group:
+    with local_group(rank, world_size, port, timeout=60, transport="ring") as group:
         for size in sizes_for(world_size):
             xs = [rank_values(size, r) for r in range(world_size)]
             reference = reference_in_ring_order(xs, world_size)

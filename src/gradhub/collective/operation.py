@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Generic, TypeVar
 
 from gradhub.errors import CollectiveTimeoutError
@@ -54,9 +55,12 @@ class CollectiveFuture(Generic[T]):
     def done(self) -> bool:
         return self._future.done()
 
-    def wait(self, timeout: float | None = None) -> T:
-        """The operation's result. ``timeout`` bounds this call in seconds; by
-        default it waits as long as the operation (and those before it) may take."""
+    def wait(self, timeout: float | timedelta | None = None) -> T:
+        """The operation's result. ``timeout`` bounds this call (seconds, or a
+        ``timedelta`` as c10d's ``Work.wait`` takes); by default it waits as
+        long as the operation (and those before it) may take."""
+        if isinstance(timeout, timedelta):
+            timeout = timeout.total_seconds()
         begin = time.monotonic()
         while True:
             # Poll with concurrent.futures.wait: result(timeout=) raises TimeoutError

@@ -51,6 +51,7 @@ Linux only (``memfd_create``, ``pidfd_open``, ``futex``), x86-64 or aarch64.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import mmap
 import os
@@ -59,8 +60,10 @@ import secrets
 import select
 import socket
 import struct
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Sequence
 from datetime import timedelta
+from typing import ParamSpec
 
 import torch
 
@@ -130,6 +133,25 @@ def _new_segment(size: int, name: str) -> int:
         os.close(fd)
         raise
     return fd
+
+
+_P = ParamSpec("_P")
+
+
+def _forgetting_views(fn: Callable[_P, None]) -> Callable[_P, None]:
+    """On an error, clear the locals of the frames it passed through: their views
+    of the segments would keep the mappings (and their descriptors) alive for as
+    long as anyone holds the exception."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> None:
+        try:
+            fn(*args, **kwargs)
+        except BaseException as exc:
+            traceback.clear_frames(exc.__traceback__)
+            raise
+
+    return wrapper
 
 
 class ShmTransport:
@@ -249,6 +271,7 @@ class ShmTransport:
         )
 
     # ------------------------------------------------------------ collectives
+    @_forgetting_views
     def reduce_scatter(
         self,
         op: Operation,
@@ -308,6 +331,7 @@ class ShmTransport:
             out.add_(last)
         del parts, regions, mine
 
+    @_forgetting_views
     def all_gather(
         self,
         op: Operation,
@@ -457,10 +481,7 @@ class ShmTransport:
         return err
 
     def _setup_timeout(self, op: Operation, missing: list[int]) -> CollectiveTimeoutError:
-        self.group._broken = f"{op.name} timed out"
-        return CollectiveTimeoutError(
-            op.name, missing, op.timeout, "shared-memory set-up; rank(s) never connected"
-        )
+        return self.group._timed_out(op, missing[0] if len(missing) == 1 else None)
 
     # -------------------------------------------------------------- lifecycle
     def close(self) -> None:

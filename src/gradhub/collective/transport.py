@@ -32,7 +32,6 @@ import torch.distributed as dist
 from gradhub.collective import shm
 from gradhub.collective.group import CollectiveGroup, Operation
 from gradhub.collective.hosts import HostLayout, exchange, host_identity
-from gradhub.errors import CollectiveTimeoutError
 
 _log = logging.getLogger("gradhub.collective")
 
@@ -98,9 +97,8 @@ def _decide(group: CollectiveGroup, op: Operation) -> _Choice:
     values, missing = exchange(
         store, group.rank, group.world_size, f"{asked}|{host_identity()}", key, op.remaining()
     )
-    if missing:
-        group._broken = f"{op.name} timed out"
-        raise CollectiveTimeoutError(op.name, missing, op.timeout, "choosing the transport")
+    if missing:  # named by their check-ins, like any operation's timeout
+        raise group._timed_out(op, missing[0] if len(missing) == 1 else None)
     asks = [v.split("|", 1)[0] for v in values]
     if len(set(asks)) > 1:
         raise ValueError(

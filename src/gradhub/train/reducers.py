@@ -43,6 +43,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
+from gradhub.collective import CollectiveGroup, all_reduce
+
 
 @runtime_checkable
 class BucketReducer(Protocol):
@@ -69,16 +71,27 @@ class _Widen:
 
 
 class AllReduce:
-    """``compress="none"``: one fp32 all-reduce (sum) of the bucket."""
+    """``compress="none"``: one fp32 all-reduce (sum) of the bucket.
+
+    With ``collective=`` (a :class:`~gradhub.collective.CollectiveGroup`, as the
+    ``allreduce`` strategy passes) it is :func:`gradhub.collective.all_reduce`
+    on that group's transport: shared memory when every rank is on one host,
+    the ring otherwise. Else gloo's (or NCCL's) own ``all_reduce``.
+    """
 
     name = "none"
 
-    def __init__(self, *, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self, *, group: dist.ProcessGroup | None = None, collective: CollectiveGroup | None = None
+    ) -> None:
         self.group = group
+        self.collective = collective
 
     def launch(
         self, bucket: torch.Tensor, *, shapes: list[torch.Size], bucket_index: int, step: int
     ) -> Any:
+        if self.collective is not None:
+            return all_reduce(bucket, group=self.collective)
         return dist.all_reduce(bucket, group=self.group, async_op=True)
 
     def reduce(
@@ -97,7 +110,7 @@ class HalfAllReduce(AllReduce):
     """
 
     def __init__(self, dtype: torch.dtype, *, group: dist.ProcessGroup | None = None) -> None:
-        super().__init__(group=group)
+        super().__init__(group=group)  # gloo's all_reduce in 16 bits, never the transport
         self.dtype = dtype
         self.name = "fp16" if dtype == torch.float16 else "bf16"
 

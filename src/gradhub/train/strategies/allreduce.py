@@ -115,7 +115,10 @@ class AllReduceStrategy(Strategy):
 
     def _setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         self._broadcast_from_rank0(model)
-        self._reducer = reducers.make(self.config.compress, **self.config.compress_options)
+        options = dict(self.config.compress_options)
+        if self.config.compress == "none":  # the job's group and its transport (shm on one host)
+            options.setdefault("collective", self.runtime.group)
+        self._reducer = reducers.make(self.config.compress, **options)
         if not hasattr(self._reducer, "launch"):
             self._thread = concurrent.futures.ThreadPoolExecutor(1, "gradhub-reduce")
         self._build_buckets(self.params)

@@ -1,0 +1,306 @@
+"""Shared-memory transport on real processes: bits, failures, leaks, concurrency.
+
+Every job runs the shared-memory path and the ring side by side on the same
+inputs, so "same bits" is checked directly (the ring itself is checked against
+a single-process reference in test_collective_ring.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from gradhub import codecs
+from gradhub.collective import (
+    CollectiveGroup,
+    all_gather,
+    all_reduce,
+    local_group,
+    reduce_scatter,
+    shm,
+    transport,
+)
+from gradhub.errors import CollectiveTimeoutError, WorkerFailedError
+from gradhub.partition import partition_ranges
+from harness import free_port, run_ranks
+
+CODECS = ["none", "fp16", "bf16", "bf16-truncate"]
+# small_bytes 0: the ring's point-to-point path (one rounding per hop for lossy
+# codecs); 1 << 40: its collective path (one rounding per contribution). The
+# shared-memory path follows whichever the ring would take.
+PATHS = {"p2p": 0, "collective": 1 << 40}
+
+pytestmark = pytest.mark.skipif(not shm.supported(), reason="needs memfd, pidfd and futex")
+
+
+def sizes_for(world_size: int) -> list[int]:
+    # empty, 1, fewer elements than ranks, odd, and several MB (2.5M fp32 = 10 MB).
+    return sorted({0, 1, max(world_size - 1, 0), 7, 1001, 2_500_001})
+
+
+def rank_values(size: int, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * size + rank)
+    return torch.randn(size, generator=g) * (1 + rank)
+
+
+def results_of(group: CollectiveGroup, rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    """Every (size, codec, path, in place or not) result of one group."""
+    out: dict[str, torch.Tensor] = {}
+    for size in sizes_for(world_size):
+        x = rank_values(size, rank)
+        start, length = partition_ranges(size, world_size)[rank]
+        for name, path in itertools.product(CODECS, PATHS):
+            small = PATHS[path]
+            mine = reduce_scatter(x, group=group, codec=name, small_bytes=small)
+            full = all_gather(mine, size, group=group, codec=name, small_bytes=small)
+            y = x.clone()
+            own = y[start : start + length]
+            reduce_scatter(y, group=group, codec=name, out=own, small_bytes=small)
+            wire = own if name == "none" else codecs.get(name).encode(own)
+            all_gather(wire, size, group=group, codec=name, out=y, small_bytes=small)
+            out[f"{size}/{name}/{path}/rs"] = mine
+            out[f"{size}/{name}/{path}/out"] = full
+            out[f"{size}/{name}/{path}/inplace"] = y
+        z = x.clone()
+        all_reduce(z, group=group).wait()
+        out[f"{size}/all_reduce"] = z
+    return out
+
+
+def bits_job(rank: int, world_size: int, shm_port: int, ring_port: int) -> dict[str, object]:
+    torch.set_num_threads(1)
+    with local_group(rank, world_size, shm_port, timeout=60, transport="shm") as group:
+        shared = results_of(group, rank, world_size)
+        chosen = transport.chosen(group)
+        # Oversubscribed timing (only meaningful for 4 ranks on 2 cores): shared
+        # memory against gloo's own all_reduce, same vectors, same job.
+        x = rank_values(1 << 18, rank)
+        begin = time.perf_counter()
+        for _ in range(20):
+            all_reduce(x, group=group).wait()
+        shm_s = time.perf_counter() - begin
+        begin = time.perf_counter()
+        for _ in range(20):
+            dist.all_reduce(x)
+        gloo_s = time.perf_counter() - begin
+    with local_group(rank, world_size, ring_port, timeout=60, transport="ring") as group:
+        ring = results_of(group, rank, world_size)
+    differ = [k for k in ring if not torch.equal(ring[k], shared[k])]
+    whole = sorted(k for k in shared if not k.endswith("/rs"))  # slices differ by rank
+    digest = hashlib.sha256(b"".join(shared[k].numpy().tobytes() for k in whole))
+    return {
+        "chosen": chosen,
+        "differ": differ,
+        "digest": digest.hexdigest(),
+        "shm_s": shm_s,
+        "gloo_s": gloo_s,
+    }
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_shared_memory_gives_the_rings_bits(world_size: int) -> None:
+    results = [
+        r.value for r in run_ranks(bits_job, world_size, free_port(), free_port(), timeout=240)
+    ]
+    for r in results:
+        assert r["differ"] == [], r["differ"]
+    # bit-identical on every rank too
+    assert len({r["digest"] for r in results}) == 1
+    if world_size > 1:
+        assert all(r["chosen"] == "shm" for r in results)
+    if world_size == 4:
+        # 4 ranks on a 2-core machine: blocking waits keep shared memory in the
+        # range of gloo's all_reduce; a spinning waiter would take 10-100x
+        # longer. The bound is loose on purpose (the machine is shared).
+        worst = max(r["shm_s"] for r in results)
+        assert worst < 5 * max(r["gloo_s"] for r in results) + 2.0, results
+
+
+# ------------------------------------------------------------------ failures
+def our_fds() -> list[str]:
+    """This process's descriptors for shared-memory segments and pidfds."""
+    links = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            continue
+    return [link for link in links if "memfd:" in link or "pidfd" in link]
+
+
+def killed_job(rank: int, world_size: int, port: int) -> dict[str, object]:
+    torch.set_num_threads(1)
+    group = local_group(rank, world_size, port, timeout=20, transport="shm")
+    x = torch.ones(100_000)
+    all_reduce(x, group=group).wait()
+    if rank == world_size - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    begin = time.monotonic()
+    with pytest.raises(WorkerFailedError) as info:
+        all_reduce(x, group=group).wait()
+    elapsed = time.monotonic() - begin
+    group.close()
+    with open("/proc/self/maps") as f:
+        maps = f.read()
+    return {
+        "error": str(info.value),
+        "elapsed": elapsed,
+        "fds": our_fds(),
+        "mapped": "memfd:gradhub" in maps,
+    }
+
+
+def late_job(rank: int, world_size: int, port: int) -> dict[str, object]:
+    torch.set_num_threads(1)
+    with local_group(rank, world_size, port, timeout=20, transport="shm") as group:
+        x = torch.ones(1000)
+        all_reduce(x, group=group).wait()
+        if rank == 1:
+            time.sleep(4.0)
+            return {}
+        begin = time.monotonic()
+        with pytest.raises(CollectiveTimeoutError) as info:
+            all_reduce(x, group=group, timeout=1.0).wait()
+        return {
+            "error": str(info.value),
+            "missing": list(info.value.missing_ranks),
+            "elapsed": time.monotonic() - begin,
+        }
+
+
+def shm_entries() -> set[str]:
+    # multiprocessing's own semaphores (of any test running beside this one) aside
+    return {e for e in os.listdir("/dev/shm") if not e.startswith("sem.mp-")}
+
+
+def test_killed_rank_is_named_and_nothing_is_left_behind() -> None:
+    before = shm_entries()
+    results = run_ranks(killed_job, 3, free_port(), timeout=120, check=False)
+    assert results[2].exitcode == -signal.SIGKILL
+    for r in results[:2]:
+        assert r.ok, r.error
+        assert "rank 2" in r.value["error"] and "died" in r.value["error"]
+        assert r.value["elapsed"] < 15  # detected by the pidfd check, not the 20 s timeout
+        assert r.value["fds"] == [], r.value
+        assert not r.value["mapped"]
+    assert shm_entries() <= before
+
+
+def test_late_rank_times_out_naming_it() -> None:
+    results = run_ranks(late_job, 2, free_port(), timeout=120)
+    value = results[0].value
+    assert value["missing"] == [1], value
+    assert value["elapsed"] < 10
+
+
+def cycles_job(rank: int, world_size: int, port: int, cycles: int) -> dict[str, int]:
+    torch.set_num_threads(1)
+    with local_group(rank, world_size, port, timeout=30, transport="ring") as group:
+        x = torch.arange(5000, dtype=torch.float32)
+
+        def cycle(i: int) -> None:
+            op = group.begin(f"cycle {i}")
+            t = shm.ShmTransport(group, list(range(world_size)), op, f"cycles/{i}")
+            try:
+                s, n = partition_ranges(x.numel(), world_size)[rank]
+                out = torch.empty(n)
+                t.reduce_scatter(
+                    op, x, codecs.get("none"), partition_ranges(5000, 2), out, hop=True
+                )
+                assert torch.equal(out, 2 * x[s : s + n])
+            finally:
+                t.close()
+
+        group.submit("warm-up", lambda: cycle(-1)).wait()
+        fds = len(os.listdir("/proc/self/fd"))
+        for i in range(cycles):
+            group.submit("cycle", lambda i=i: cycle(i)).wait()
+        grown = len(os.listdir("/proc/self/fd")) - fds
+        with open("/proc/self/maps") as f:
+            mapped = f.read().count("memfd:gradhub")
+    return {"fd_growth": grown, "mapped": mapped}
+
+
+def test_create_close_cycles_leave_nothing_behind() -> None:
+    before = shm_entries()
+    results = run_ranks(cycles_job, 2, free_port(), 200, timeout=240)
+    for r in results:
+        assert r.value == {"fd_growth": 0, "mapped": 0}, r.value
+    assert shm_entries() <= before
+
+
+# --------------------------------------------------------------- concurrency
+def two_groups_job(rank: int, world_size: int, port: int) -> bool:
+    torch.set_num_threads(1)
+    with local_group(rank, world_size, port, timeout=60, transport="shm") as first:
+        pg = dist.new_group([0, 1])
+        store = dist.PrefixStore("second/", first.store)
+        second = CollectiveGroup(pg, store=store, timeout=60, transport="shm")
+        errors: list[BaseException] = []
+
+        def run(group: CollectiveGroup, scale: float) -> None:
+            try:
+                for i in range(30):
+                    x = torch.full((300_001,), scale * (rank + 1) + i)
+                    all_reduce(x, group=group).wait()
+                    expected = scale * 3 + 2 * i  # sum over ranks 0 and 1
+                    assert bool((x == expected).all()), (scale, i)
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [
+            threading.Thread(target=run, args=(g, s)) for g, s in ((first, 1.0), (second, 10.0))
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(50)
+        second.close()
+        assert transport.chosen(second) is None  # released on close
+        if errors:
+            raise errors[0]
+    return True
+
+
+def test_two_groups_used_concurrently() -> None:
+    run_ranks(two_groups_job, 2, free_port(), timeout=120)
+
+
+# ----------------------------------------------------------------- hosts
+def hosts_job(rank: int, world_size: int, port: int, shm_port: int) -> dict[str, object]:
+    torch.set_num_threads(1)
+    os.environ["GRADHUB_HOST_ID"] = f"host-{rank // 2}"  # 2 hosts x 2 ranks
+    x = rank_values(100_003, rank)
+    with local_group(rank, world_size, port, timeout=60) as group:
+        y = x.clone()
+        all_reduce(y, group=group).wait()
+        chosen = transport.chosen(group)
+    os.environ["GRADHUB_HOST_ID"] = "one-host"
+    with local_group(rank, world_size, shm_port, timeout=60) as group:
+        z = x.clone()
+        all_reduce(z, group=group).wait()
+        one_host = transport.chosen(group)
+    return {"chosen": chosen, "one_host": one_host, "same": torch.equal(y, z)}
+
+
+def test_ranks_on_different_hosts_take_the_ring_with_the_same_bits() -> None:
+    results = run_ranks(hosts_job, 4, free_port(), free_port(), timeout=120)
+    for r in results:
+        assert r.value == {"chosen": "ring", "one_host": "shm", "same": True}, r.value
+
+
+def test_transport_names_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(transport.TRANSPORT_ENV, "carrier-pigeon")
+    with pytest.raises(ValueError, match="GRADHUB_TRANSPORT"):
+        transport.requested(None)
+    assert transport.requested("SHM") == "shm"  # the keyword wins over the environment
+    monkeypatch.setenv(transport.TRANSPORT_ENV, "ring")
+    assert transport.requested(None) == "ring"
