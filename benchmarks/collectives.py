@@ -4,9 +4,16 @@ Two processes on 127.0.0.1 (gloo). For each size (fp32 elements), the methods
 below run alternating in one run (the order rotates every round), each timed
 as the slower rank's time from a common barrier:
 
-- ``gradhub RS+AG fp32``: :func:`gradhub.collective.reduce_scatter` then
-  :func:`gradhub.collective.all_gather` (the ring, codec ``"none"``).
-- ``gradhub RS+AG bf16``: the same with ``"bf16"`` on the wire.
+- ``ring ...`` / ``shm ...``: the same gradhub call on a group whose transport
+  is the gloo ring (:mod:`gradhub.collective.ring`) or shared memory
+  (:mod:`gradhub.collective.shm`), side by side:
+  - ``RS+AG fp32``: :func:`gradhub.collective.reduce_scatter` then
+    :func:`gradhub.collective.all_gather`, codec ``"none"``, into separate outputs;
+  - ``RS+AG fp32 in place``: the reduce-scatter writes the input's own slice and
+    the all-gather writes over the input (an in-place all-reduce);
+  - ``RS+AG bf16``: out of place with ``"bf16"`` on the wire;
+  - ``AllReduceParameter cycle``: ``put_gradients``,
+    ``aggregate_gradient_partition``, ``send_weight_partition``, ``get_weights``.
 - ``gloo all_reduce``: ``torch.distributed.all_reduce``, the baseline.
 - ``gloo RS+AG``: gloo's ``reduce_scatter_single`` + ``all_gather_single``
   (``reduce_scatter_tensor``/``all_gather_into_tensor`` before torch 2.13).
@@ -37,16 +44,22 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from _common import RESULTS, rank_zero_result, write_results
-from gradhub.collective import all_gather, local_group, reduce_scatter
+from gradhub.collective import (
+    AllReduceParameter,
+    CollectiveGroup,
+    all_gather,
+    local_group,
+    reduce_scatter,
+)
 from gradhub.partition import partition_range
 
 WORLD_SIZE = 2
 SIZES = [1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22, 1 << 24, 25_000_000]
 BASELINE = "gloo all_reduce"
+TRANSPORTS = ["ring", "shm"]
+OURS = ["RS+AG fp32", "RS+AG fp32 in place", "RS+AG bf16", "AllReduceParameter cycle"]
 METHODS = [
-    "gradhub RS+AG fp32",
-    "gradhub RS+AG fp32 in place",
-    "gradhub RS+AG bf16",
+    *(f"{t} {m}" for m in OURS for t in TRANSPORTS),
     BASELINE,
     "gloo RS+AG",
     "p2p floor",
@@ -56,7 +69,9 @@ _rs_native = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter
 _ag_native = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def make_methods(rank: int, n: int) -> dict[str, Callable[[torch.Tensor], None]]:
+def make_methods(
+    rank: int, n: int, groups: dict[str, CollectiveGroup]
+) -> dict[str, Callable[[torch.Tensor], None]]:
     start, length = partition_range(n, WORLD_SIZE, rank)
     half = -(-n // WORLD_SIZE)  # gloo's tensor collectives need equal slices
     padded_in = torch.zeros(half * WORLD_SIZE)
@@ -65,20 +80,38 @@ def make_methods(rank: int, n: int) -> dict[str, Callable[[torch.Tensor], None]]
     own_out = torch.empty(length)
     other = 1 - rank
     inbox = torch.empty(n)
+    weights = torch.empty(n)
+    methods: dict[str, Callable[[torch.Tensor], None]] = {}
 
-    def ours(codec: str) -> Callable[[torch.Tensor], None]:
-        def run(x: torch.Tensor) -> None:
-            reduce_scatter(x, codec=codec, out=own_out)
-            all_gather(own_out, n, codec=codec, out=full_out)
+    for transport, group in groups.items():
 
-        return run
+        def out_of_place(codec: str, g: CollectiveGroup = group) -> Callable[[torch.Tensor], None]:
+            def run(x: torch.Tensor) -> None:
+                reduce_scatter(x, group=g, codec=codec, out=own_out)
+                all_gather(own_out, n, group=g, codec=codec, out=full_out)
 
-    def ours_in_place(x: torch.Tensor) -> None:
-        # like all_reduce: the result lands in x itself; the own slice is
-        # reduced where it lies, so no partition is copied twice
-        mine = x[start : start + length]
-        reduce_scatter(x, out=mine)
-        all_gather(mine, n, out=x)
+            return run
+
+        def in_place(x: torch.Tensor, g: CollectiveGroup = group) -> None:
+            # like all_reduce: the result lands in x itself; the own slice is
+            # reduced where it lies, so no partition is copied twice
+            mine = x[start : start + length]
+            reduce_scatter(x, group=g, out=mine)
+            all_gather(mine, n, group=g, out=x)
+
+        parameter = AllReduceParameter(n, group=group)
+        parameter.init(torch.zeros(n))
+
+        def cycle(x: torch.Tensor, p: AllReduceParameter = parameter) -> None:
+            p.put_gradients(x)
+            p.aggregate_gradient_partition(1)
+            p.send_weight_partition()
+            p.get_weights(weights).wait()
+
+        methods[f"{transport} RS+AG fp32"] = out_of_place("none")
+        methods[f"{transport} RS+AG fp32 in place"] = in_place
+        methods[f"{transport} RS+AG bf16"] = out_of_place("bf16")
+        methods[f"{transport} AllReduceParameter cycle"] = cycle
 
     def gloo_all_reduce(x: torch.Tensor) -> None:
         dist.all_reduce(x)
@@ -97,23 +130,22 @@ def make_methods(rank: int, n: int) -> dict[str, Callable[[torch.Tensor], None]]
             send.wait()
             recv.wait()
 
-    return {
-        "gradhub RS+AG fp32": ours("none"),
-        "gradhub RS+AG fp32 in place": ours_in_place,
-        "gradhub RS+AG bf16": ours("bf16"),
-        BASELINE: gloo_all_reduce,
-        "gloo RS+AG": gloo_rs_ag,
-        "p2p floor": p2p_floor,
-    }
+    methods[BASELINE] = gloo_all_reduce
+    methods["gloo RS+AG"] = gloo_rs_ag
+    methods["p2p floor"] = p2p_floor
+    return methods
 
 
 def rank_main(rank: int, port: int, sizes: list[int], rounds: int, queue: mp.Queue) -> None:
     warnings.simplefilter("ignore", FutureWarning)  # torch's renamed-collective notices
     torch.set_num_threads(1)
-    with local_group(rank, WORLD_SIZE, port, timeout=300):
+    with local_group(rank, WORLD_SIZE, port, timeout=300, transport="ring") as ring:
+        shm = ring.sibling()  # same process group, its own counters and transport
+        shm.transport = "shm"
+        groups = {"ring": ring, "shm": shm}
         results: dict[str, dict[str, list[float]]] = {}
         for n in sizes:
-            methods = make_methods(rank, n)
+            methods = make_methods(rank, n, groups)
             source = torch.randn(n, generator=torch.Generator().manual_seed(rank))
             x = source.clone()
             times: dict[str, list[float]] = {m: [] for m in METHODS}
@@ -132,6 +164,7 @@ def rank_main(rank: int, port: int, sizes: list[int], rounds: int, queue: mp.Que
                     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                     times[name].append(float(elapsed))
             results[str(n)] = times
+        shm.close()
         if rank == 0:
             queue.put(results)
 

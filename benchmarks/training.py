@@ -10,7 +10,10 @@ batches, the order rotating round by round (A, B, C / B, C, A / ...):
 - ``gradhub allreduce``: :class:`gradhub.train.strategies.allreduce.AllReduceStrategy`
   (25 MB buckets, overlapped with backward, sample-weighted);
 - ``gradhub sharded``: :class:`gradhub.train.strategies.sharded.ShardedStrategy`
-  (ring reduce-scatter, ZeRO-1 step on the owned slice, all-gather);
+  (reduce-scatter, ZeRO-1 step on the owned slice, all-gather);
+- each gradhub strategy twice: ``(shm)`` on the job's group, whose transport is
+  shared memory (both ranks on one host), and ``(ring)`` on a second wrapper of
+  the same process group pinned to the gloo ring (the path before shared memory);
 - ``1 process, 2 threads``: the whole global batch in one process with two
   intra-op threads, no communication: what the same two cores do alone.
 
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import itertools
 import platform
 import statistics
@@ -52,7 +56,8 @@ MODELS = {
     "MLP 20M": [784, 4096, 4096, 10],
 }
 PEER = "DDP"
-CONTENDERS = [PEER, "gradhub allreduce", "gradhub sharded"]
+TRANSPORTS = ["shm", "ring"]
+CONTENDERS = [PEER] + [f"gradhub {s} ({t})" for s in ("allreduce", "sharded") for t in TRANSPORTS]
 BASELINE = "1 process, 2 threads"
 
 
@@ -72,7 +77,7 @@ def batch(rank: int, n: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def contenders(
-    widths: list[int], x: torch.Tensor, y: torch.Tensor, runtime: gradhub.Runtime
+    widths: list[int], x: torch.Tensor, y: torch.Tensor, runtimes: dict[str, gradhub.Runtime]
 ) -> tuple[dict[str, Callable[[], None]], dict[str, nn.Module], list[Any]]:
     base = make_mlp(widths)
     loss_fn = nn.functional.cross_entropy
@@ -90,16 +95,18 @@ def contenders(
 
     steps[PEER], models[PEER] = ddp_step, ddp_model
     strategies = []
-    for name in ("allreduce", "sharded"):
+    for name, transport in itertools.product(("allreduce", "sharded"), TRANSPORTS):
         model = copy.deepcopy(base)
         strategy = make_strategy(name)
-        strategy.setup(model, torch.optim.SGD(model.parameters(), lr=0.01), runtime)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        strategy.setup(model, opt, runtimes[transport])
         strategies.append(strategy)
 
         def step(model: nn.Module = model, strategy: Any = strategy) -> None:
             strategy.step(lambda: loss_fn(model(x), y), len(x), len(x) * WORLD_SIZE)
 
-        steps[f"gradhub {name}"], models[f"gradhub {name}"] = step, model
+        label = f"gradhub {name} ({transport})"
+        steps[label], models[label] = step, model
     return steps, models, strategies
 
 
@@ -107,10 +114,16 @@ def rank_main(rank: int, port: int, rounds: int, steps: int, queue: Any) -> None
     torch.set_num_threads(1)
     with local_group(rank, WORLD_SIZE, port, timeout=600):
         runtime = gradhub.init(timeout=600)
+        ring = runtime.group.sibling()
+        ring.transport = "ring"
+        runtimes = {
+            "shm": runtime,
+            "ring": dataclasses.replace(runtime, group=ring, owns_group=False),
+        }
         report: dict[str, Any] = {}
         for label, widths in MODELS.items():
             x, y = batch(rank, PER_RANK, widths[0])
-            fns, models, strategies = contenders(widths, x, y, runtime)
+            fns, models, strategies = contenders(widths, x, y, runtimes)
             for fn in fns.values():  # warm-up: allocations, gloo pairs
                 fn()
                 fn()
@@ -129,7 +142,7 @@ def rank_main(rank: int, port: int, rounds: int, steps: int, queue: Any) -> None
                 float((a.detach() - b.detach()).abs().max())
                 for a, b in zip(
                     models[PEER].parameters(),
-                    models["gradhub allreduce"].parameters(),
+                    models["gradhub allreduce (shm)"].parameters(),
                     strict=True,
                 )
             )
@@ -137,6 +150,7 @@ def rank_main(rank: int, port: int, rounds: int, steps: int, queue: Any) -> None
             report[label] = {"params": params, "times": times, "ddp_vs_allreduce_max_diff": diff}
             for s in strategies:
                 s.close()
+        ring.close()
         runtime.close()
         if rank == 0:
             queue.put(report)

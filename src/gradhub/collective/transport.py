@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 
 import torch.distributed as dist
 
@@ -55,7 +56,9 @@ class _Choice:
         self.shared = shared
 
 
-_CHOICES: dict[int, _Choice] = {}
+_CHOICES: weakref.WeakKeyDictionary[CollectiveGroup, _Choice] = weakref.WeakKeyDictionary()
+"""Per group wrapper (weak: a wrapper dropped without close() cannot lend its
+choice to a later object at the same address)."""
 
 
 def select(group: CollectiveGroup, op: Operation) -> tuple[str, shm.ShmTransport | None]:
@@ -64,22 +67,22 @@ def select(group: CollectiveGroup, op: Operation) -> tuple[str, shm.ShmTransport
     Collective the first time it is called on a group (inside an operation
     that every rank runs); cached afterwards.
     """
-    choice = _CHOICES.get(id(group))
+    choice = _CHOICES.get(group)
     if choice is None:
         choice = _decide(group, op)
-        _CHOICES[id(group)] = choice
+        _CHOICES[group] = choice
         group.on_close(lambda: _release(group))
     return choice.name, choice.shared
 
 
 def chosen(group: CollectiveGroup) -> str | None:
     """The group's transport name once it has been chosen, else ``None``."""
-    choice = _CHOICES.get(id(group))
+    choice = _CHOICES.get(group)
     return None if choice is None else choice.name
 
 
 def _release(group: CollectiveGroup) -> None:
-    choice = _CHOICES.pop(id(group), None)
+    choice = _CHOICES.pop(group, None)
     if choice is not None and choice.shared is not None:
         choice.shared.close()
 
