@@ -1,4 +1,5 @@
-"""Parameter-server push/pull: gradhub vs a torch.distributed.rpc server vs a Ray actor.
+"""Parameter-server push/pull: gradhub vs a torch.distributed.rpc server vs a Ray actor,
+and gradhub's ``--durable`` server beside its default.
 
 Every system runs one server process on this machine and one client (this
 process). Each op is synchronous (issue, wait for the answer), so latency is
@@ -10,6 +11,15 @@ value into a preallocated tensor on the client.
 
     .venv/bin/python benchmarks/parameter_server.py [--quick] [--out DIR]
 
+``gradhub --durable`` is the same server with ``durable=True`` (a write-ahead
+log in a checkpoint directory on this machine's disk, ``fsync`` before each
+acknowledgement); its ratio column is its cost: durable p50 / default p50.
+Durable rows are measured for pushes up to 16 MB (pulls do not touch the log).
+A second table has several workers (threads, one client each) pushing small
+gradients at once for a few seconds, to the default and to the durable server
+alternately: pushes per second and, for the durable one, pushes per ``fsync``
+(group commit: the server syncs once per batch of requests it drained).
+
 Writes ``parameter_server.json`` and ``parameter_server.md`` to ``--out``
 (default ``benchmarks/results``) and prints the Markdown table. Ray is used
 only if it can be imported (``pip install gradhub[bench]``).
@@ -18,14 +28,19 @@ only if it can be imported (``pip install gradhub[bench]``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import os
 import platform
+import shutil
 import socket
 import statistics
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,11 +59,12 @@ def _iters(nbytes: int, quick: bool) -> int:
 # ------------------------------------------------------------------ gradhub
 class Gradhub:
     name = "gradhub"
+    max_push = 1 << 40
 
-    def __init__(self) -> None:
+    def __init__(self, **config: Any) -> None:
         from gradhub import RemoteParameterServer, ServerConfig, start_server
 
-        self.server = start_server(ServerConfig(optimizer="sgd", lr=LR))
+        self.server = start_server(ServerConfig(optimizer="sgd", lr=LR, **config))
         self.client = RemoteParameterServer(self.server.address, worker_id=0, timeout=120)
 
     def init(self, key: str, value: torch.Tensor) -> None:
@@ -63,6 +79,50 @@ class Gradhub:
     def close(self) -> None:
         self.client.close()
         self.server.close()
+
+
+class GradhubDurable(Gradhub):
+    name = "gradhub --durable"
+    max_push = 16 << 20
+
+    def __init__(self, folder: str) -> None:
+        # Checkpoints only when the log is full: each push pays its log write and fsync.
+        super().__init__(checkpoint_dir=folder, durable=True, checkpoint_every=3600.0)
+
+
+def concurrent_pushes(
+    address: str, workers: int, nbytes: int, seconds: float
+) -> tuple[float, dict[str, int]]:
+    """Pushes per second of ``workers`` clients pushing at once; the server's counters."""
+    from gradhub import DuplicateParameterError, RemoteParameterServer
+
+    grad = torch.randn(max(1, nbytes // 4))
+    key = f"c{workers}x{grad.numel()}"
+    clients = [
+        RemoteParameterServer(address, worker_id=100 + w, timeout=120) for w in range(workers)
+    ]
+    with contextlib.suppress(DuplicateParameterError):  # kept from an earlier run
+        clients[0].init(key, torch.zeros_like(grad))
+    counts = [0] * workers
+    stop = time.monotonic() + seconds
+
+    def run(w: int) -> None:
+        while time.monotonic() < stop:
+            clients[w].push(key, grad).result()
+            counts[w] += 1
+
+    before = clients[0].stats()[0]["counters"]
+    threads = [threading.Thread(target=run, args=(w,)) for w in range(workers)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - start
+    after = clients[0].stats()[0]["counters"]
+    for c in clients:
+        c.close()
+    return sum(counts) / elapsed, {k: after[k] - before[k] for k in after}
 
 
 # ---------------------------------------------------------------- torch RPC
@@ -179,14 +239,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="alternation rounds")
     parser.add_argument("--sizes", nargs="*", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--workers", type=int, default=4, help="concurrent pushers")
+    parser.add_argument("--seconds", type=float, default=3.0, help="per concurrent run")
+    parser.add_argument("--only-gradhub", action="store_true", help="skip torch.rpc and Ray")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
 
-    systems: list[Any] = [Gradhub(), TorchRPC()]
-    try:
-        systems.append(RayActor())
-    except ImportError:
-        print("ray is not installed (pip install 'gradhub[bench]'): skipping the Ray actor")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    wal_dir = tempfile.mkdtemp(prefix=".wal-", dir=args.out)  # on disk, not a tmpfs
+    systems: list[Any] = [Gradhub(), GradhubDurable(wal_dir)]
+    if not args.only_gradhub:
+        systems.append(TorchRPC())
+        try:
+            systems.append(RayActor())
+        except ImportError:
+            print("ray is not installed (pip install 'gradhub[bench]'): skipping the Ray actor")
     samples: dict[tuple[str, str, str], list[float]] = {}
     per_round: dict[tuple[str, str, str], list[float]] = {}
     try:
@@ -202,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.rounds):
                 for op in ("push", "pull"):
                     for s in systems:
+                        if isinstance(s, GradhubDurable) and (op == "pull" or nbytes > s.max_push):
+                            continue
                         if op == "push":
                             lat = _time(lambda s=s, k=key, g=grad: s.push(k, g), n)
                         else:
@@ -209,9 +278,11 @@ def main(argv: list[str] | None = None) -> int:
                         samples.setdefault((label, op, s.name), []).extend(lat)
                         per_round.setdefault((label, op, s.name), []).append(statistics.median(lat))
             print(f"{label}: done", file=sys.stderr)
+        concurrent = _concurrent(systems[:2], args)
     finally:
         for s in systems:
             s.close()
+        shutil.rmtree(wal_dir, ignore_errors=True)
 
     rows = []
     names = [s.name for s in systems]
@@ -243,19 +314,70 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "systems": names,
         "rounds": args.rounds,
-        "note": "one client and one server process on this machine; synchronous ops",
+        "note": "one client and one server process on this machine; synchronous ops; "
+        "the machine was shared with other jobs (loaded)",
     }
-    md = _markdown(rows, meta)
-    write_results(args.out, "parameter_server", {"meta": meta, "rows": rows}, md)
+    md = _markdown(rows, meta) + "\n" + _concurrent_markdown(concurrent, args)
+    report = {"meta": meta, "rows": rows, "concurrent": concurrent}
+    write_results(args.out, "parameter_server", report, md)
     print(md)
     return 0
+
+
+def _concurrent(systems: list[Any], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Default and durable servers under ``args.workers`` concurrent 4 KB pushers, A/B/A/B."""
+    out: list[dict[str, Any]] = []
+    for workers in (1, args.workers):
+        for _ in range(args.rounds):
+            for s in systems:
+                rate, counters = concurrent_pushes(s.server.address, workers, 4 << 10, args.seconds)
+                syncs = counters.get("log_syncs", 0)
+                out.append(
+                    {
+                        "system": s.name,
+                        "workers": workers,
+                        "pushes_per_s": rate,
+                        "pushes": counters["push_applied"],
+                        "fsyncs": syncs,
+                    }
+                )
+        print(f"{workers} concurrent pusher(s): done", file=sys.stderr)
+    return out
+
+
+def _concurrent_markdown(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    lines = [
+        f"Concurrent 4 KB pushes for {args.seconds:g} s per run ({args.rounds} runs each, "
+        "alternating default and durable; threads of one process, one client each). "
+        "Median over runs.",
+        "",
+        "| workers | system | pushes/s | durable / default | pushes per fsync |",
+        "| ---: | --- | ---: | ---: | ---: |",
+    ]
+    for workers in sorted({r["workers"] for r in rows}):
+        mine = [r for r in rows if r["workers"] == workers]
+        rate = {
+            name: statistics.median(r["pushes_per_s"] for r in mine if r["system"] == name)
+            for name in dict.fromkeys(r["system"] for r in mine)
+        }
+        for name, value in rate.items():
+            durable = [r for r in mine if r["system"] == name and r["fsyncs"]]
+            per_sync = (
+                f"{sum(r['pushes'] for r in durable) / sum(r['fsyncs'] for r in durable):.2f}"
+                if durable
+                else ""
+            )
+            ratio = f"{value / rate['gradhub']:.2f}" if name != "gradhub" else ""
+            lines.append(f"| {workers} | {name} | {value:.0f} | {ratio} | {per_sync} |")
+    return "\n".join(lines) + "\n"
 
 
 def _markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [
         f"Parameter server push/pull, {meta['cpus']} CPUs, torch {meta['torch']}; "
         f"{meta['note']}. Speedup = peer p50 / gradhub p50 (median of {meta['rounds']} "
-        "alternating rounds, [min, max]).",
+        "alternating rounds, [min, max]); for gradhub --durable this ratio is its cost "
+        "(durable p50 / default p50).",
         "",
         "| size | op | system | n | p50 ms | p99 ms | ops/s | GB/s | gradhub speedup |",
         "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |",

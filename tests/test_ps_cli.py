@@ -51,3 +51,15 @@ def test_run_ps_flags_and_help_come_from_the_config() -> None:
         if name not in run._PS_SKIP:
             assert "--ps-" + name.replace("_", "-") in help_text or name == "secret", name
             assert doc[:30] in help_text, name
+
+
+def test_serve_optimizer_flags_build_one_spec(tmp_path: Path) -> None:
+    from gradhub.optim import OptimizerSpec
+
+    fixed = _serve_config("--optimizer", "adam", "--lr", "0.001")
+    assert fixed.optimizer == OptimizerSpec.of("adam", lr=0.001)
+    assert (fixed.lr, fixed.momentum) == (None, None)  # folded into the spec
+    assert _serve_config("--lr", "1").optimizer == OptimizerSpec.of("sgd", lr=1.0)
+    assert _serve_config().optimizer is None  # takes the workers' spec
+    none = _serve_config("--optimizer", "none", "--durable", "--checkpoint-dir", str(tmp_path))
+    assert none.optimizer == "none" and none.durable

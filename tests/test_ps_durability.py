@@ -182,3 +182,26 @@ def test_sync_worker_dropped_mid_round_keeps_its_acknowledged_pushes(run: int) -
         clients[2]._closed = True  # its channel is gone already
     assert acked[0][0] == acked[1][0] == ROUNDS
     assert out.item() == 2 * ROUNDS + acked[2][0], (dies_at, acked)
+
+
+def test_write_ahead_log_round_trip_empty_frames_and_torn_tail(tmp_path: Path) -> None:
+    from gradhub.ps.wal import WriteAheadLog
+
+    records = [[b"head", b"", b"", b"payload" * 100], [b"h2", b"", b"", b""], [b"x" * 70_000]]
+    log = WriteAheadLog(tmp_path / "a.wal")
+    for r in records[:2]:
+        log.append(r)
+    log.commit()  # one fsync for both (group commit)
+    log.append(records[2])
+    log.commit()
+    assert log.commits == 2
+    log.close()
+    whole = (tmp_path / "a.wal").stat().st_size
+    with open(tmp_path / "a.wal", "ab") as f:
+        f.write(b"\x10\x00\x00\x00torn")  # a record cut short by a crash
+    again = WriteAheadLog(tmp_path / "a.wal")
+    assert [list(r) for r in again.records()] == records
+    assert (tmp_path / "a.wal").stat().st_size == whole  # the torn tail was cut off
+    again.reset()
+    assert list(again.records()) == []
+    again.close()

@@ -75,10 +75,12 @@ class Persistence:
         header = dataclasses.replace(msg.header, flags=0)  # stored unsigned
         self.wal.append(protocol.encode(header, msg.key, msg.tensor(), meta=msg.meta))
 
-    def commit(self) -> None:
-        """Make everything logged so far durable (one ``fsync``)."""
-        if self.wal is not None:
-            self.wal.commit()
+    def commit(self) -> bool:
+        """Make everything logged so far durable (one ``fsync``); whether it synced."""
+        if self.wal is None or not self.wal.pending:
+            return False
+        self.wal.commit()
+        return True
 
     @property
     def log_full(self) -> bool:

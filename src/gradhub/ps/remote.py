@@ -39,8 +39,9 @@ from gradhub.errors import (
 )
 from gradhub.optim import OptimizerSpec
 from gradhub.ps.base import ParameterServer, Replicas, as_replicas, check_key
-from gradhub.ps.channel import Channel, Request
+from gradhub.ps.channel import Channel
 from gradhub.ps.config import secret_bytes
+from gradhub.ps.link import Request
 from gradhub.ps.placement import DEFAULT_SLICE_BYTES, layout, split
 from gradhub.ps.protocol import Message, Op
 

@@ -146,7 +146,8 @@ class Server(Service):
         """Answer flushes and held acknowledgements once what they cover is on disk."""
         if self._flushes and not self.persist.durable:
             self.checkpoint()
-        self.persist.commit()
+        if self.persist.commit():
+            self.counters["log_syncs"] += 1
         flushes, self._flushes = self._flushes, []
         for msg in flushes:
             self._reply(msg, aux=self._durable_low(msg.header.worker_id, msg.header.session))

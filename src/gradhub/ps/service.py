@@ -68,6 +68,7 @@ COUNTERS = (
     "wait_timeouts",
     "workers_dropped",
     "checkpoints",
+    "log_syncs",
 )
 
 

@@ -76,7 +76,7 @@ class WriteAheadLog:
         for v in views:
             head = _FRAME.pack(v.nbytes)
             crc = zlib.crc32(v, zlib.crc32(head, crc))
-            parts += [head, v]
+            parts += [head, v] if v.nbytes else [head]
         length = sum(memoryview(p).nbytes for p in parts)
         self._pending += [_RECORD.pack(length, crc), *parts]
 
@@ -91,6 +91,8 @@ class WriteAheadLog:
         parts, self._pending = self._pending, []
         while parts:
             written = os.writev(self._fd, parts[:512])
+            if written <= 0:
+                raise OSError(f"write-ahead log {self.path}: nothing written")
             self.size += written
             parts = _advance(parts, written)
         os.fsync(self._fd)
@@ -110,12 +112,14 @@ class WriteAheadLog:
 def _advance(parts: list[Any], written: int) -> list[Any]:
     """``parts`` without their first ``written`` bytes (a short ``writev``)."""
     out = list(parts)
-    while written and out:
+    while out:
         n = memoryview(out[0]).nbytes
         if written >= n:
             written -= n
             out.pop(0)
-        else:
+        elif written:
             out[0] = memoryview(out[0]).cast("B")[written:]
             written = 0
+        else:
+            break
     return out
