@@ -14,6 +14,9 @@ batches, the order rotating round by round (A, B, C / B, C, A / ...):
 - each gradhub strategy twice: ``(shm)`` on the job's group, whose transport is
   shared memory (both ranks on one host), and ``(ring)`` on a second wrapper of
   the same process group pinned to the gloo ring (the path before shared memory);
+- ``prepare + allreduce`` / ``prepare + sharded``: the user's own loop
+  (``zero_grad``, ``backward``, ``step``) on what :func:`gradhub.prepare`
+  returns, on the job's group: the public path of a ported DDP script;
 - ``1 process, 2 threads``: the whole global batch in one process with two
   intra-op threads, no communication: what the same two cores do alone.
 
@@ -57,7 +60,12 @@ MODELS = {
 }
 PEER = "DDP"
 TRANSPORTS = ["shm", "ring"]
-CONTENDERS = [PEER] + [f"gradhub {s} ({t})" for s in ("allreduce", "sharded") for t in TRANSPORTS]
+OWN_LOOP = ["prepare + allreduce", "prepare + sharded"]
+CONTENDERS = [
+    PEER,
+    *[f"gradhub {s} ({t})" for s in ("allreduce", "sharded") for t in TRANSPORTS],
+    *OWN_LOOP,
+]
 BASELINE = "1 process, 2 threads"
 
 
@@ -94,7 +102,7 @@ def contenders(
         ddp_opt.step()
 
     steps[PEER], models[PEER] = ddp_step, ddp_model
-    strategies = []
+    strategies: list[Any] = []
     for name, transport in itertools.product(("allreduce", "sharded"), TRANSPORTS):
         model = copy.deepcopy(base)
         strategy = make_strategy(name)
@@ -107,6 +115,22 @@ def contenders(
 
         label = f"gradhub {name} ({transport})"
         steps[label], models[label] = step, model
+    for label in OWN_LOOP:
+        base_copy = copy.deepcopy(base)
+        model, opt = gradhub.prepare(
+            base_copy,
+            torch.optim.SGD(base_copy.parameters(), lr=0.01),
+            strategy=label.split(" + ")[1],
+            runtime=runtimes["shm"],
+        )
+        strategies.append(model.strategy)
+
+        def own_loop(model: Any = model, opt: Any = opt) -> None:
+            opt.zero_grad(set_to_none=True)
+            loss_fn(model(x), y).backward()
+            opt.step()
+
+        steps[label], models[label] = own_loop, base_copy
     return steps, models, strategies
 
 

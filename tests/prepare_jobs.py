@@ -214,41 +214,45 @@ def sharded_resume(rank: int, world: int, saved: bytes) -> Any:
         runtime.close()
 
 
-def misuse(rank: int, world: int, strategy: str) -> dict[str, str]:
-    """Each misuse, and the message it raised."""
+def misuse(rank: int, world: int, strategies: list[str]) -> dict[str, dict[str, str]]:
+    """Each misuse under each strategy, and the message it raised."""
     runtime = gradhub.init(timeout=30)
-    seen: dict[str, str] = {}
     try:
-        base = mlp()
-        original = torch.optim.SGD(base.parameters(), lr=0.1)
-        model, opt = gradhub.prepare(base, original, strategy=strategy, runtime=runtime)
-        x, y = batch("mlp", 0, 0, rank)
-        with model:
-            nn.functional.cross_entropy(model(x), y).backward()
-            try:
-                original.step()
-            except gradhub.MisuseError as exc:
-                seen["original"] = str(exc)
-            try:
-                nn.functional.cross_entropy(model(x), y).backward()
-            except gradhub.MisuseError as exc:
-                seen["second backward"] = str(exc)
-            opt.step()
-            opt.zero_grad()
-            with model.no_sync():
-                nn.functional.cross_entropy(model(x), y).backward()
-            try:
-                opt.step()
-            except gradhub.MisuseError as exc:
-                seen["no sync"] = str(exc)
-            gradhub.check_in_sync(model)  # still equal: nothing diverged
-            if rank == 1:
-                with torch.no_grad():
-                    next(model.parameters()).add_(1e-7)
-            try:
-                gradhub.check_in_sync(model)
-            except gradhub.ReplicasDivergedError as exc:
-                seen["diverged"] = str(exc)
+        return {s: _misuse(rank, runtime, s) for s in strategies}
     finally:
         runtime.close()
+
+
+def _misuse(rank: int, runtime: Any, strategy: str) -> dict[str, str]:
+    seen: dict[str, str] = {}
+    base = mlp()
+    original = torch.optim.SGD(base.parameters(), lr=0.1)
+    model, opt = gradhub.prepare(base, original, strategy=strategy, runtime=runtime)
+    x, y = batch("mlp", 0, 0, rank)
+    with model:
+        nn.functional.cross_entropy(model(x), y).backward()
+        try:
+            original.step()
+        except gradhub.MisuseError as exc:
+            seen["original"] = str(exc)
+        try:
+            nn.functional.cross_entropy(model(x), y).backward()
+        except gradhub.MisuseError as exc:
+            seen["second backward"] = str(exc)
+        opt.step()
+        opt.zero_grad()
+        with model.no_sync():
+            nn.functional.cross_entropy(model(x), y).backward()
+        try:
+            opt.step()
+        except gradhub.MisuseError as exc:
+            seen["no sync"] = str(exc)
+        gradhub.check_in_sync(model)  # still equal: nothing diverged
+        if rank == 1:
+            with torch.no_grad():
+                next(model.parameters()).add_(1e-7)
+        try:
+            gradhub.check_in_sync(model)
+        except gradhub.ReplicasDivergedError as exc:
+            seen["diverged"] = str(exc)
     return seen
