@@ -130,8 +130,9 @@ def own_loop(rank: int, world: int, cases: list[tuple[str, str, str, dict[str, A
                     clip=lambda m=model: gradhub.clip_grad_norm_(m, 0.5),
                     no_sync=model.no_sync,
                 )
-                gradhub.check_in_sync(model)
-                out[f"{strategy}/{kind}"] = params(model.module)
+                gradhub.check_in_sync(model)  # every rank holds the same bits
+                suffix = f"/{options['compress']}" if "compress" in options else ""
+                out[f"{strategy}/{kind}{suffix}"] = params(model.module)
             if strategy in ("allreduce", "sharded") and f"ddp/{kind}" not in out:
                 ref = MODELS[kind]()
                 ddp = nn.parallel.DistributedDataParallel(ref)
@@ -221,6 +222,44 @@ def misuse(rank: int, world: int, strategies: list[str]) -> dict[str, dict[str, 
         return {s: _misuse(rank, runtime, s) for s in strategies}
     finally:
         runtime.close()
+
+
+def uneven(rank: int, world: int, servers: dict[str, str]) -> dict[str, list[np.ndarray]]:
+    """3 steps with rank 0 on 5 samples and rank 1 on 3, weighted by ``set_samples``."""
+    runtime = gradhub.init(timeout=30)
+    out: dict[str, list[np.ndarray]] = {}
+    try:
+        for strategy in ("allreduce", "sharded", "ps-sync"):
+            base = mlp()
+            options = {"servers": [servers[strategy]]} if strategy in servers else {}
+            model, opt = gradhub.prepare(
+                base, make_optimizer("sgd", base), strategy=strategy, runtime=runtime, **options
+            )
+            with model:
+                for step in range(3):
+                    x, y = global_batch("mlp", step, 0, 1)  # 3 samples
+                    x2, y2 = batch("mlp", step, 1, 0, n=5)
+                    x, y = (x2, y2) if rank == 0 else (x, y)
+                    opt.zero_grad()
+                    model.set_samples(len(x))  # the global count is summed on the way
+                    nn.functional.cross_entropy(model(x), y).backward()
+                    opt.step()
+                out[strategy] = params(model.module)
+    finally:
+        runtime.close()
+    return out
+
+
+def uneven_reference() -> list[np.ndarray]:
+    model = mlp()
+    opt = make_optimizer("sgd", model)
+    for step in range(3):
+        x, y = global_batch("mlp", step, 0, 1)
+        x2, y2 = batch("mlp", step, 1, 0, n=5)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(torch.cat([x2, x])), torch.cat([y2, y])).backward()
+        opt.step()
+    return params(model)
 
 
 def _misuse(rank: int, runtime: Any, strategy: str) -> dict[str, str]:
