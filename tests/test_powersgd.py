@@ -131,3 +131,46 @@ def test_every_rank_ends_with_the_same_bits() -> None:
     for step in range(5):
         assert torch.equal(results[0][step][start : start + 16], total[step][start : start + 16])
         assert torch.equal(results[0][step][-1:], total[step][-1:])
+
+
+def _digits_accuracy(rank: int, world_size: int) -> dict[str, float]:
+    """The digits MLP of examples/train_digits.py, fp32 then PowerSGD, 2 ranks each."""
+    from sklearn.datasets import load_digits
+
+    runtime = gradhub.init(timeout=60)
+    digits = load_digits()
+    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(digits.target)
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
+    test, train = order[:360], order[360:]
+    accuracy = {}
+    for name, options in {
+        "fp32": {},
+        "powersgd": {"compress": "powersgd", "compress_options": {"rank": 4}},
+    }.items():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)
+        )
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        with gradhub.DataParallelTrainer(
+            model, optimizer, strategy="allreduce", runtime=runtime, **options
+        ) as trainer:
+            result = trainer.fit(
+                (x[train], y[train]),
+                eval_data=(x[test], y[test]),
+                epochs=20,
+                batch_size=64,
+                progress=False,
+            )
+        accuracy[name] = float(result.eval_accuracy or 0.0)
+    runtime.close()
+    return accuracy
+
+
+def test_digits_with_powersgd_is_within_half_a_point_of_fp32() -> None:
+    results = run_ranks(_digits_accuracy, 2, timeout=300)
+    acc = results[0].value
+    assert acc["fp32"] >= 0.95
+    # 360 test images: half a point is 1.8 images.
+    assert abs(acc["powersgd"] - acc["fp32"]) <= 0.005, acc
