@@ -17,7 +17,8 @@ exec``) with ``GLOO_SOCKET_IFNAME=eth0``; ``close()`` (also on ``__exit__``,
 also after a failure) kills every process still inside the namespaces (``ip
 netns pids``: all of them were started here), deletes the namespaces (which
 deletes their veths) and the bridge. Names carry a per-process tag, so
-concurrent runs do not collide.
+concurrent runs do not collide; they also carry the creating process's id, so
+a new cluster first removes what a killed run (no ``close()``) left behind.
 
 ``Cluster.unavailable()`` says why the machine cannot build one (not root, no
 ``ip``/``tc``, namespaces refused), or ``None``; tests skip with that reason.
@@ -30,6 +31,7 @@ import ctypes
 import fcntl
 import itertools
 import os
+import re
 import shutil
 import signal
 import socket
@@ -89,13 +91,46 @@ def _offloads_off(ifname: str) -> None:
                 fcntl.ioctl(s, _SIOCETHTOOL, request)
 
 
+_STALE_NS = re.compile(r"gh(\d+)x\d+h\d+")
+_STALE_BRIDGE = re.compile(r"ghb(\d+)x\d+")
+
+
+def _dead(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def _sweep_stale() -> None:
+    """Remove what a killed run (SIGKILL: no ``close()``) left: names carry its pid."""
+    for line in _ip("netns", "list", check=False).stdout.splitlines():
+        name = line.split()[0] if line.split() else ""
+        m = _STALE_NS.fullmatch(name)
+        if m and _dead(int(m.group(1))):
+            for pid in _ip("netns", "pids", name, check=False).stdout.split():
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
+            _ip("netns", "del", name, check=False)
+    for line in _ip("-o", "link", "show", "type", "bridge", check=False).stdout.splitlines():
+        parts = line.split(":")
+        name = parts[1].strip() if len(parts) > 1 else ""
+        m = _STALE_BRIDGE.fullmatch(name)
+        if m and _dead(int(m.group(1))):
+            _ip("link", "del", name, check=False)
+
+
 class Cluster:
     """``hosts`` emulated hosts joined by ``rate``-limited links (``None``: no limit)."""
 
     def __init__(self, hosts: int, *, rate: str | None = "1gbit") -> None:
         if hosts < 1 or hosts > 200:
             raise ValueError(f"hosts must be in [1, 200], got {hosts}")
-        tag = f"{os.getpid() % 100000}{next(_counter)}"
+        _sweep_stale()
+        tag = f"{os.getpid()}x{next(_counter)}"
         self.tag = tag
         self.bridge = f"ghb{tag}"
         # 10.213.0.0/16 is a private test subnet; each cluster has its own
