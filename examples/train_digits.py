@@ -1,6 +1,7 @@
 """Train an MLP on scikit-learn's digits with gradhub, on any number of processes.
 
     gradhub run -n 4 examples/train_digits.py
+    gradhub run -n 4 examples/train_digits.py --compress powersgd
     torchrun --nproc-per-node 4 examples/train_digits.py
     gradhub run -n 4 --servers 1 --ps-mode sync --ps-lr 0.05 --ps-momentum 0.9 \\
         examples/train_digits.py --strategy ps-sync
@@ -28,6 +29,8 @@ def main() -> None:
     p.add_argument("--strategy", default="allreduce", help="allreduce, sharded, ps-async, ...")
     p.add_argument("--servers", nargs="*", help="parameter-server addresses (ps-* strategies)")
     p.add_argument("--secret-file", help="the parameter servers' shared secret (ps-* strategies)")
+    p.add_argument("--compress", help="gradient compression: bf16, fp16, powersgd (allreduce)")
+    p.add_argument("--powersgd-rank", type=int, default=4, help="rank of PowerSGD's approximation")
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=64, help="global batch size")
     p.add_argument("--lr", type=float, default=0.05)
@@ -55,6 +58,10 @@ def main() -> None:
     options: dict[str, object] = {"servers": args.servers} if args.servers else {}
     if args.secret_file:
         options["secret"] = read_secret_file(args.secret_file)
+    if args.compress:
+        options["compress"] = args.compress
+    if args.compress == "powersgd":
+        options["compress_options"] = {"rank": args.powersgd_rank}
     with gradhub.DataParallelTrainer(
         model, optimizer, strategy=args.strategy, runtime=runtime, **options
     ) as trainer:
