@@ -15,7 +15,8 @@ rank-``r`` approximation built with one step of power iteration:
 3. orthonormalise the columns of the summed ``P`` (Gram-Schmidt);
 4. ``Q = M^T P`` and **all-reduce** ``Q`` (``m x r`` per matrix, one message);
 5. the result is ``P Q^T`` (the sum of every rank's ``M``, approximated), and
-   ``E = M - P Q^T`` is kept for the next step.
+   ``E = M - P Q^T / world_size`` is kept for the next step: the ranks'
+   errors add up to what the result left out, ``sum(M) - P Q^T``.
 
 Two all-reduces per bucket carrying ``(n + m) r`` numbers per matrix instead
 of ``n m``. The bucket's gradients arrive already scaled by each rank's share
@@ -263,20 +264,26 @@ class PowerSGD:
             at += m.cols * m.rank
         self._all_reduce(second, "powersgd all_reduce of Q")
 
-        # Result P Q^T, written over M (no temporary the size of the bucket);
-        # the error is what this rank's M loses in it.
+        # Result P Q^T (an approximation of the *sum* of the ranks' M), written
+        # over M (no temporary the size of the bucket). Each rank keeps as error
+        # its M minus a 1/world share of it, so the errors add up to exactly
+        # what the result left out: sum(M) - P Q^T (the paper's error, summed).
+        share = 1.0 / self._world_size()
         for m, mat, p, q in zip(state.matrices, ms, ps, qs, strict=True):
             if state.error is not None:
                 err = state.error[m.offset : m.offset + m.rows * m.cols].view(m.rows, m.cols)
                 err.copy_(mat)
                 torch.mm(p, q, out=mat)
-                err.sub_(mat)
+                err.add_(mat, alpha=-share)
             else:
                 torch.mm(p, q, out=mat)
         state.qs = [q.clone() for q in qs]
 
+    def _world_size(self) -> int:
+        return dist.get_world_size(self.group) if dist.is_initialized() else 1
+
     def _all_reduce(self, tensor: torch.Tensor, operation: str) -> None:
-        if not dist.is_initialized() or dist.get_world_size(self.group) == 1:
+        if self._world_size() == 1:
             return
         self.bytes_reduced += tensor.numel() * tensor.element_size()
         work = dist.all_reduce(tensor, group=self.group, async_op=True)

@@ -121,6 +121,13 @@ class HalfAllReduce(AllReduce):
         return _Widen(dist.all_reduce(wire, group=self.group, async_op=True), wire, bucket)
 
 
+def _powersgd(**options: Any) -> BucketReducer:
+    """``compress="powersgd"``: :class:`gradhub.powersgd.PowerSGD` (imported on use)."""
+    from gradhub.powersgd import PowerSGD
+
+    return PowerSGD(**options)
+
+
 ReducerFactory = Callable[..., BucketReducer]
 """Builds a reducer; called with ``group=`` (the process group) and the options."""
 
@@ -128,6 +135,7 @@ _REGISTRY: dict[str, ReducerFactory] = {
     "none": AllReduce,
     "fp16": lambda **kw: HalfAllReduce(torch.float16, **kw),
     "bf16": lambda **kw: HalfAllReduce(torch.bfloat16, **kw),
+    "powersgd": lambda **kw: _powersgd(**kw),
 }
 
 
