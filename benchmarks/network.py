@@ -240,7 +240,7 @@ def run_one(
     server = cluster.popen(
         server_host,
         [gradhub_cli, "serve", "--bind", server_addr, "--secret-file", str(secret),
-         "--mode", "async", "--workers", str(world), "--lr", "0.01"],
+         "--mode", "async", "--workers", str(world)],
         stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     result = tmp / f"result-{model}.json"

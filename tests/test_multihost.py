@@ -66,8 +66,18 @@ def test_strategies_on_two_hosts_match_one_host_and_servers_need_the_secret(
     with Cluster(3, rate="1gbit") as c:
         h0, h2 = c.hosts[0].addr, c.hosts[2].addr
         # ps-async's server on a host of its own, reachable only with the secret.
-        serve = [GRADHUB, "serve", "--bind", f"tcp://{h2}:5555", "--secret-file", str(secret),
-                 "--mode", "async", "--workers", "4", "--lr", "0.5"]  # fmt: skip
+        serve = [
+            GRADHUB,
+            "serve",
+            "--bind",
+            f"tcp://{h2}:5555",
+            "--secret-file",
+            str(secret),
+            "--mode",
+            "async",
+            "--workers",
+            "4",
+        ]  # fmt: skip (optimizer: the workers')
         with (tmp_path / "server.log").open("w") as out:
             c.popen(2, serve, stdout=out, stderr=subprocess.STDOUT)
         job = [JOB, "--out", str(two), "--strategies", "allreduce,sharded,ps-sync,ps-async",
@@ -131,7 +141,7 @@ def test_readme_multinode_commands_train_digits_on_two_hosts(tmp_path: Path) -> 
         _nodes(c, argvs, tmp_path, "digits")
     summaries = [
         json.loads(line)
-        for f in sorted((tmp_path / "runs" / "train_digits").glob("metrics.rank*.jsonl"))
+        for f in sorted((tmp_path / "runs").glob("train_digits*/metrics.rank*.jsonl"))
         for line in f.read_text().splitlines()
         if '"summary"' in line
     ]
