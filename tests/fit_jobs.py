@@ -85,9 +85,13 @@ def fit_kinds(rank: int, world: int) -> dict[str, Any]:
     runtime = gradhub.init(timeout=30)
     out: dict[str, Any] = {}
 
-    def run(name: str, model: nn.Module, train: Any, **kw: Any) -> None:
+    def run(
+        name: str, model: nn.Module, train: Any, strategy: str = "allreduce", **kw: Any
+    ) -> None:
         opt = torch.optim.SGD(model.parameters(), lr=0.3)
-        with gradhub.DataParallelTrainer(model, opt, runtime=runtime) as trainer:
+        if kw.pop("schedule", False):  # made before fit, on the script's optimizer
+            kw["lr_scheduler"] = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.1)
+        with gradhub.DataParallelTrainer(model, opt, strategy=strategy, runtime=runtime) as trainer:
             kw.setdefault("batch_size", 8)
             result = trainer.fit(train, progress=False, **kw)
         losses = [h["train_loss"] for h in result.history]
@@ -106,6 +110,8 @@ def fit_kinds(rank: int, world: int) -> dict[str, Any]:
         run("iterable", mlp(), Stream(), epochs=3)
         run("loader", mlp(), DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True), epochs=3)
         run("lm", TinyLM(), lm_data(), epochs=3)
+        run("scheduled allreduce", mlp(), (x, y), epochs=2, schedule=True)
+        run("scheduled sharded", mlp(), (x, y), strategy="sharded", epochs=2, schedule=True)
         reg = (x, x[:, :1] * 2.0)
         run("regression", mlp(out=1), reg, epochs=3)
         run(

@@ -215,38 +215,37 @@ def sharded_resume(rank: int, world: int, saved: bytes) -> Any:
         runtime.close()
 
 
-def misuse(rank: int, world: int, strategies: list[str]) -> dict[str, dict[str, str]]:
-    """Each misuse under each strategy, and the message it raised."""
+def misuse_and_uneven(rank: int, world: int, servers: dict[str, str]) -> dict[str, Any]:
+    """Each misuse under allreduce and sharded; uneven batches weighted by set_samples."""
     runtime = gradhub.init(timeout=30)
     try:
-        return {s: _misuse(rank, runtime, s) for s in strategies}
+        return {
+            "misuse": {s: _misuse(rank, runtime, s) for s in ("allreduce", "sharded")},
+            "uneven": _uneven(rank, runtime, servers),
+        }
     finally:
         runtime.close()
 
 
-def uneven(rank: int, world: int, servers: dict[str, str]) -> dict[str, list[np.ndarray]]:
+def _uneven(rank: int, runtime: Any, servers: dict[str, str]) -> dict[str, list[np.ndarray]]:
     """3 steps with rank 0 on 5 samples and rank 1 on 3, weighted by ``set_samples``."""
-    runtime = gradhub.init(timeout=30)
     out: dict[str, list[np.ndarray]] = {}
-    try:
-        for strategy in ("allreduce", "sharded", "ps-sync"):
-            base = mlp()
-            options = {"servers": [servers[strategy]]} if strategy in servers else {}
-            model, opt = gradhub.prepare(
-                base, make_optimizer("sgd", base), strategy=strategy, runtime=runtime, **options
-            )
-            with model:
-                for step in range(3):
-                    x, y = global_batch("mlp", step, 0, 1)  # 3 samples
-                    x2, y2 = batch("mlp", step, 1, 0, n=5)
-                    x, y = (x2, y2) if rank == 0 else (x, y)
-                    opt.zero_grad()
-                    model.set_samples(len(x))  # the global count is summed on the way
-                    nn.functional.cross_entropy(model(x), y).backward()
-                    opt.step()
-                out[strategy] = params(model.module)
-    finally:
-        runtime.close()
+    for strategy in ("allreduce", "sharded", "ps-sync"):
+        base = mlp()
+        options = {"servers": [servers[strategy]]} if strategy in servers else {}
+        model, opt = gradhub.prepare(
+            base, make_optimizer("sgd", base), strategy=strategy, runtime=runtime, **options
+        )
+        with model:
+            for step in range(3):
+                x, y = global_batch("mlp", step, 0, 1)  # 3 samples
+                x2, y2 = batch("mlp", step, 1, 0, n=5)
+                x, y = (x2, y2) if rank == 0 else (x, y)
+                opt.zero_grad()
+                model.set_samples(len(x))  # the global count is summed on the way
+                nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+            out[strategy] = params(model.module)
     return out
 
 

@@ -28,6 +28,10 @@ def test_fit_on_every_kind_of_data() -> None:
     # 2 micro-batches of 4 with a constant schedule = 1 batch of 8: float rounding only.
     for a, b in zip(out["accumulate"][2], out["tensors"][2], strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+    # A scheduler made before fit drives the sharded slice optimizer as it drives
+    # the local one (slices summed separately: float32 rounding only).
+    for a, b in zip(out["scheduled sharded"][2], out["scheduled allreduce"][2], strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
     # Both ranks hold the same model.
     for name in out:
         for a, b in zip(out[name][2], results[1].value[name][2], strict=True):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from gradhub.ps.launch import ServerHandle, start_server
 from harness import run_ranks
 from prepare_jobs import (
     from_bytes,
-    misuse,
+    misuse_and_uneven,
     mlp,
     own_loop,
     params,
@@ -25,7 +26,6 @@ from prepare_jobs import (
     single_process,
     train,
     two_groups,
-    uneven,
     uneven_reference,
 )
 
@@ -102,14 +102,27 @@ def test_sharded_state_dict_loads_into_a_plain_optimizer_and_a_3_rank_job() -> N
         _same(r.value, want, atol=1e-5)
 
 
-def test_each_misuse_is_an_error_with_its_message() -> None:
-    results = run_ranks(misuse, 2, ["allreduce", "sharded"], timeout=120)
-    for seen in (s for r in results for s in r.value.values()):
+@pytest.fixture(scope="module")
+def misuse_and_uneven_results() -> Iterator[list[Any]]:
+    with start_server(ServerConfig(mode="sync", workers=2)) as server:
+        yield run_ranks(misuse_and_uneven, 2, {"ps-sync": server.address}, timeout=180)
+
+
+def test_each_misuse_is_an_error_with_its_message(misuse_and_uneven_results: list[Any]) -> None:
+    for seen in (s for r in misuse_and_uneven_results for s in r.value["misuse"].values()):
         assert "handed to gradhub.prepare" in seen["original"]
         assert "second backward() before optimizer.step()" in seen["second backward"]
         assert "no_sync()" in seen["second backward"]
         assert "without a backward() outside no_sync()" in seen["no sync"]
         assert "rank(s) 1 differ from rank 0" in seen["diverged"]
+
+
+def test_set_samples_weights_uneven_batches_exactly(misuse_and_uneven_results: list[Any]) -> None:
+    want = uneven_reference()
+    for r in misuse_and_uneven_results:
+        for got in r.value["uneven"].values():
+            # (5 * mean5 + 3 * mean3) / 8 vs mean8: reordered float32 sums only.
+            _same(got, want, atol=1e-6)
 
 
 class _MySGD(torch.optim.SGD):
@@ -161,12 +174,3 @@ def test_ps_async_and_ssp_take_lr_changes_and_refuse_foreign_optimizers() -> Non
                     servers=[server.address],
                     timeout=20,
                 )
-
-
-def test_set_samples_weights_uneven_batches_exactly(sync_server: ServerHandle) -> None:
-    results = run_ranks(uneven, 2, {"ps-sync": sync_server.address}, timeout=150)
-    want = uneven_reference()
-    for r in results:
-        for got in r.value.values():
-            # (5 * mean5 + 3 * mean3) / 8 vs mean8: reordered float32 sums only.
-            _same(got, want, atol=1e-6)
