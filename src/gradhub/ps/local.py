@@ -11,9 +11,13 @@ Decisions:
   (which keeps each client's order, as the interface asks). Priority chooses
   *between keys*, and an urgent operation lifts the operations queued before
   it on its key (priority inheritance). Equal priorities: first in, first out.
-- **Errors at call time.** Unknown key, shape or dtype mismatch, a second
-  ``init``, bad arguments and use after ``close()`` raise in the caller's
-  thread; nothing is queued. A failure while an operation runs (e.g. inside
+- **Errors at call time.** Unknown key, shape or dtype mismatch
+  (``DtypeMismatchError``), a push holding NaN or infinity
+  (``NonFiniteError``), a second ``init``, a key that is not a ``str``, bad
+  arguments and use after ``close()`` raise in the caller's thread; nothing is
+  queued. Unlike a remote server, a push or pull of an unknown key does not
+  wait for its ``init``: in one process ``init`` is synchronous, so no caller
+  can be ahead of it. A failure while an operation runs (e.g. inside
   the optimizer) is set on its future.
 - **Push snapshots.** ``push`` sums the replicas in the caller's thread (one
   read of each gradient, one write of the sum), so the caller may reuse its
