@@ -119,7 +119,9 @@ def run_ranks(
             results[rank].value, results[rank].error = value, error
             received.add(rank)
         for p in procs:
-            p.join(timeout=max(0.0, min(10.0, deadline - time.monotonic())))
+            # A rank that returned may still be tearing down (a broken gloo
+            # group finishes its pending work first, bounded by its timeout).
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
     finally:
         for rank, p in enumerate(procs):
             if p.is_alive():

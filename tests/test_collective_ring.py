@@ -119,6 +119,7 @@ def _own(x: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
     return x[s : s + n]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_reduce_scatter_all_gather_match_single_process_sum(world_size: int) -> None:
     results = run_ranks(ring_job, world_size, free_port(), timeout=150)
@@ -142,6 +143,7 @@ def nccl_job(rank: int, world_size: int, port: int) -> bool:
     return True
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 def test_nccl_reduce_scatter_all_gather() -> None:
     world_size = min(torch.cuda.device_count(), 4)

@@ -15,6 +15,8 @@ from gradhub import (
     merge_worker_updates,
     split_batch,
 )
+from gradhub.train.strategies import make_strategy
+from gradhub.train.strategies.sharded import ShardedStrategy
 
 # ------------------------------------------------------------------ the seed's examples
 
@@ -196,8 +198,16 @@ def test_merge_structure_mismatch_names_the_worker_and_path() -> None:
         merge_worker_updates([good, zero_but_wrong])
 
 
-def test_trainer_constructor_accepts_job_arguments() -> None:
+def test_trainer_constructor_keeps_job_arguments_for_its_strategy() -> None:
     model = torch.nn.Linear(2, 1)
     trainer = DataParallelTrainer(model, None, strategy="sharded", compress="bf16")
     assert trainer.model is model and trainer.strategy == "sharded"
-    assert trainer.options == {"compress": "bf16"}
+    # The options are the strategy's own: they build it, with compress="bf16".
+    built = make_strategy(trainer.strategy, **trainer.options)
+    assert isinstance(built, ShardedStrategy) and built.config.compress == "bf16"
+    # A strategy instance carries its options: more of them are refused.
+    with pytest.raises(TypeError, match="strategy's constructor"):
+        DataParallelTrainer(model, None, strategy=built, compress="fp16")
+    # An option the strategy does not have is refused when it is built.
+    with pytest.raises(TypeError, match="bucket"):
+        make_strategy("sharded", bucket="big")

@@ -54,6 +54,7 @@ def _nodes(
     _wait_all(procs, logs, timeout)
 
 
+@pytest.mark.slow
 def test_strategies_on_two_hosts_match_one_host_and_servers_need_the_secret(
     tmp_path: Path,
 ) -> None:
@@ -129,6 +130,7 @@ def _readme_multinode_commands() -> list[str]:
     return [line for line in block.group(1).splitlines() if line.startswith("gradhub run")]
 
 
+@pytest.mark.slow
 def test_readme_multinode_commands_train_digits_on_two_hosts(tmp_path: Path) -> None:
     commands = _readme_multinode_commands()
     assert len(commands) == 2

@@ -123,6 +123,7 @@ def _ranks_reduce(rank: int, world_size: int) -> list[np.ndarray]:
     return out
 
 
+@pytest.mark.slow
 def test_every_rank_ends_with_the_same_bits() -> None:
     results = [
         [torch.from_numpy(a) for a in r.value] for r in run_ranks(_ranks_reduce, 2, timeout=90)

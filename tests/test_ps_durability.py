@@ -72,17 +72,20 @@ def _value_after_sigkill_and_restart(config: ServerConfig, close: bool) -> list[
         server.close()
 
 
+@pytest.mark.slow
 def test_flush_on_close_keeps_every_acknowledged_push_through_a_sigkill(tmp_path: Path) -> None:
     value = _value_after_sigkill_and_restart(_config(tmp_path), close=True)
     assert value == [3.0 * PUSHES] * 3
 
 
+@pytest.mark.slow
 def test_durable_server_keeps_every_acknowledged_push_without_close(tmp_path: Path) -> None:
     # The workers exit without close (no flush): only the write-ahead log keeps them.
     value = _value_after_sigkill_and_restart(_config(tmp_path, durable=True), close=False)
     assert value == [3.0 * PUSHES] * 3
 
 
+@pytest.mark.slow
 def test_server_killed_mid_checkpoint_restarts_from_a_valid_one(tmp_path: Path) -> None:
     config = _config(tmp_path)
     config.checkpoint_every = 0.02
@@ -114,6 +117,7 @@ def test_server_killed_mid_checkpoint_restarts_from_a_valid_one(tmp_path: Path) 
     assert kills == 5, f"only {kills} of {attempts} kills landed in a checkpoint write"
 
 
+@pytest.mark.slow
 def test_refused_push_does_not_make_its_worker_a_sync_member() -> None:
     config = ServerConfig(optimizer="sgd", lr=1.0, mode="sync", workers=2, heartbeat_timeout=60)
     with start_server(config, in_thread=True) as server:
@@ -153,6 +157,7 @@ def _sync_worker(ps: RemoteParameterServer, dies_at: float | None, acked: list[i
         ps.pull("w", out).result(30)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run", range(20))
 def test_sync_worker_dropped_mid_round_keeps_its_acknowledged_pushes(run: int) -> None:
     rng = random.Random(run)

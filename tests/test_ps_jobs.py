@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from gradhub import RemoteParameterServer, ServerConfig, start_server
@@ -49,6 +50,7 @@ def _async_worker(rank: int, world: int, address: str) -> list[float]:
     return sums
 
 
+@pytest.mark.slow
 def test_async_three_workers_exact_sum_of_acknowledged_pushes() -> None:
     with start_server(ServerConfig(optimizer="sgd", lr=1.0, mode="async")) as server:
         with RemoteParameterServer(server.address, worker_id=100, timeout=30) as driver:
@@ -85,6 +87,7 @@ def _sync_worker(rank: int, world: int, address: str, crash_after: int) -> list[
     return seen
 
 
+@pytest.mark.slow
 def test_sync_rounds_and_a_killed_worker() -> None:
     """Rounds 0-1 with all three workers: each pull shows exactly the round's sum.
     Then rank 2 crashes; after the heartbeat timeout the server stops waiting for
@@ -120,6 +123,7 @@ def _restart_worker(rank: int, world: int, address: str) -> float:
     return total
 
 
+@pytest.mark.slow
 def test_server_killed_and_restarted_from_checkpoint_loses_no_acknowledged_push(
     tmp_path: Path,
 ) -> None:
@@ -159,6 +163,7 @@ def test_server_killed_and_restarted_from_checkpoint_loses_no_acknowledged_push(
 
 
 # ---------------------------------------------------------------- start-up failure
+@pytest.mark.slow
 def test_server_child_that_dies_before_ready_is_a_clear_error(tmp_path: Path) -> None:
     # Without a main-module guard the spawned child re-runs the script and dies
     # before reporting; the parent must say so instead of raising a bare EOFError.

@@ -62,6 +62,7 @@ def test_local_key_takes_the_init_spec_and_a_fixed_server_refuses_another() -> N
         assert fixed.keys() == ["same"]  # nothing stored for the refused init
 
 
+@pytest.mark.slow
 def test_remote_key_takes_the_init_spec_on_every_slice() -> None:
     start = torch.randn(64, 33, generator=torch.Generator().manual_seed(1))
     grads = _grads(3, (64, 33))
@@ -80,6 +81,7 @@ def test_remote_key_takes_the_init_spec_on_every_slice() -> None:
     assert torch.equal(out, _reference(ADAM, start, grads))
 
 
+@pytest.mark.slow
 def test_remote_default_is_sgd_lr_0_01(open_server: ServerHandle) -> None:
     with RemoteParameterServer(open_server.address, worker_id=1) as ps:
         ps.init("d", torch.ones(3))
@@ -91,6 +93,7 @@ def test_remote_default_is_sgd_lr_0_01(open_server: ServerHandle) -> None:
     )
 
 
+@pytest.mark.slow
 def test_remote_fixed_optimizer_refuses_another_spec_naming_both() -> None:
     with (
         start_server(ServerConfig(optimizer="adam", lr=1e-3), in_thread=True) as server,
@@ -103,6 +106,7 @@ def test_remote_fixed_optimizer_refuses_another_spec_naming_both() -> None:
         ps.init("w", torch.ones(2), optimizer=OptimizerSpec.of("adam", lr=1e-3))  # the same: fine
 
 
+@pytest.mark.slow
 def test_push_hyperparameters_follow_a_worker_lr_schedule(open_server: ServerHandle) -> None:
     spec = OptimizerSpec.of("sgd", lr=0.1, momentum=0.9)
     start, grads = torch.ones(4), _grads(5, (4,))
@@ -125,6 +129,7 @@ def test_push_hyperparameters_follow_a_worker_lr_schedule(open_server: ServerHan
     assert torch.equal(out, value.detach())
 
 
+@pytest.mark.slow
 def test_optimizer_none_matches_local_without_optimizer() -> None:
     grads = _grads(6, (3,))
     with LocalParameterServer(optimizer=None) as local:
@@ -148,6 +153,7 @@ def test_optimizer_none_matches_local_without_optimizer() -> None:
     assert torch.equal(out, grads[4] + grads[5])
 
 
+@pytest.mark.slow
 def test_a_key_keeps_its_spec_and_state_across_a_restart(tmp_path: Path) -> None:
     config = ServerConfig(checkpoint_dir=str(tmp_path), name="opt")
     start, grads = torch.ones(5), _grads(4)

@@ -42,6 +42,7 @@ def _client(handle: ServerHandle, worker_id: int, **kw: object) -> RemoteParamet
     return RemoteParameterServer(handle.address, worker_id=worker_id, secret=SECRET, **kw)  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_typed_errors_through_the_client(signed_server: ServerHandle) -> None:
     ps = _client(signed_server, 1)
     with ps:
@@ -65,6 +66,7 @@ def test_typed_errors_through_the_client(signed_server: ServerHandle) -> None:
     ps.close()  # idempotent
 
 
+@pytest.mark.slow
 def test_wrong_secret_rejected_counted_and_server_still_serves(signed_server: ServerHandle) -> None:
     with _client(signed_server, 2) as good:
         before = good.stats()[0]["counters"]["dropped_unauthenticated"]
@@ -86,6 +88,7 @@ def test_wrong_secret_rejected_counted_and_server_still_serves(signed_server: Se
         assert torch.equal(out, torch.ones(2))
 
 
+@pytest.mark.slow
 def test_live_server_survives_10000_random_frames(signed_server: ServerHandle) -> None:
     rng = random.Random(0)
     valid = [
@@ -121,6 +124,7 @@ def test_live_server_survives_10000_random_frames(signed_server: ServerHandle) -
     assert counters["dropped_unauthenticated"] > 0 and counters["dropped_malformed"] > 0
 
 
+@pytest.mark.slow
 def test_duplicate_sends_applied_once(signed_server: ServerHandle) -> None:
     with _client(signed_server, 6) as ps:
         ps.init("dup", torch.zeros(2))
@@ -166,6 +170,7 @@ def _run_job(addresses: list[str], slice_bytes: int) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.slow
 def test_two_servers_and_a_sliced_tensor_match_one_server() -> None:
     config = ServerConfig(optimizer="adam", lr=0.05)
     # Servers in threads of this process (real sockets, no interpreter start-up cost).
@@ -181,6 +186,7 @@ def test_two_servers_and_a_sliced_tensor_match_one_server() -> None:
         assert torch.equal(one[key], two[key]), key
 
 
+@pytest.mark.slow
 def test_ssp_fast_worker_blocks_until_slow_catches_up() -> None:
     config = ServerConfig(optimizer="sgd", lr=1.0, mode="ssp", workers=2, max_staleness=1)
     with start_server(config) as server:
@@ -204,6 +210,7 @@ def test_ssp_fast_worker_blocks_until_slow_catches_up() -> None:
             assert out.item() == -5.0
 
 
+@pytest.mark.slow
 def test_gradhub_serve_command(tmp_path: object) -> None:
     port = _free_port()
     address = f"tcp://127.0.0.1:{port}"

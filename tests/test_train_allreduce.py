@@ -6,35 +6,19 @@ import os
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
 import gradhub
-from gradhub.train.strategies import make_strategy
 from harness import run_ranks
-from train_helpers import fixed_data, reference_step, tiny_model, uneven_part
+from train_helpers import fixed_data, reference_step, sgd, tiny_model, uneven_steps
 
 
-def _uneven_allreduce(rank: int, world_size: int) -> list[np.ndarray]:
-    runtime = gradhub.init(timeout=30)
-    # Rank 1 starts from other weights: set-up must make it adopt rank 0's.
-    model = tiny_model(seed=0 if rank == 0 else 7)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    # Tiny buckets, so several buckets and the overlapped launch path are used.
-    strategy = make_strategy("allreduce", bucket_mb=0.0005)
-    strategy.setup(model, opt, runtime)
-    x, y = uneven_part(rank)
-    for _ in range(3):
-        strategy.step(lambda: torch.nn.functional.cross_entropy(model(x), y), len(x), 8)
-    strategy.close()
-    runtime.close()
-    return [p.detach().numpy().copy() for p in model.parameters()]
-
-
+@pytest.mark.slow
 def test_allreduce_uneven_batches_equal_single_process_steps() -> None:
-    results = run_ranks(_uneven_allreduce, 2, timeout=90)
-    expected = reference_step(lambda p: torch.optim.SGD(p, lr=0.5, momentum=0.9), steps=3)
+    # Tiny buckets, so several buckets and the overlapped launch path are used.
+    results = run_ranks(uneven_steps, 2, "allreduce", {"bucket_mb": 0.0005}, timeout=90)
+    expected = reference_step(sgd, steps=3)
     for r in results:
         for got, want in zip(r.value, expected, strict=True):
             # (5 * mean5 + 3 * mean3) / 8 vs mean8 reorders float32 sums; over 3
@@ -87,6 +71,7 @@ def _single_process_fit() -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
+@pytest.mark.slow
 def test_dead_rank_is_named_and_a_resumed_job_continues_from_the_checkpoint(
     tmp_path: Path,
 ) -> None:
@@ -139,28 +124,16 @@ def _small_batch(rank: int, world_size: int) -> str:
     return "no error"
 
 
+@pytest.mark.slow
 def test_batch_smaller_than_workers_is_an_error() -> None:
     for r in run_ranks(_small_batch, 2, timeout=60):
         assert "batch size 1 is smaller than the number of workers (2)" in r.value
 
 
-def _uneven_sharded(rank: int, world_size: int, compress: str) -> list[np.ndarray]:
-    runtime = gradhub.init(timeout=30)
-    model = tiny_model(seed=0 if rank == 0 else 7)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)  # a template
-    strategy = make_strategy("sharded", compress=compress)
-    strategy.setup(model, opt, runtime)
-    x, y = uneven_part(rank)
-    for _ in range(3):
-        strategy.step(lambda: torch.nn.functional.cross_entropy(model(x), y), len(x), 8)
-    strategy.close()
-    runtime.close()
-    return [p.detach().numpy().copy() for p in model.parameters()]
-
-
+@pytest.mark.slow
 def test_sharded_uneven_batches_equal_single_process_steps() -> None:
-    results = run_ranks(_uneven_sharded, 2, "none", timeout=90)
-    expected = reference_step(lambda p: torch.optim.SGD(p, lr=0.5, momentum=0.9), steps=3)
+    results = run_ranks(uneven_steps, 2, "sharded", {"compress": "none"}, timeout=90)
+    expected = reference_step(sgd, steps=3)
     for r in results:
         for got, want in zip(r.value, expected, strict=True):
             # Same arithmetic as allreduce (weighted fp32 sums, one division),

@@ -12,6 +12,7 @@ from gradhub.cli.main import main
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_demo_jobs_reach_95_percent_and_draw_curves(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -52,6 +53,7 @@ def test_run_refuses_bad_arguments_before_starting_anything(
         main(["run", "-n", "2", "--ps-mode", "eventually", str(script)])
 
 
+@pytest.mark.slow
 def test_run_reports_a_failing_worker(tmp_path: Path) -> None:
     script = tmp_path / "fails.py"
     script.write_text("import os, sys\nsys.exit(3 if os.environ['RANK'] == '1' else 0)\n")

@@ -44,6 +44,7 @@ def _same(got: list[np.ndarray], want: list[np.ndarray], atol: float) -> None:
             np.testing.assert_allclose(g, w, rtol=0, atol=atol)
 
 
+@pytest.mark.slow
 def test_own_loop_matches_ddp_and_single_process(sync_server: ServerHandle) -> None:
     cases = [
         ("allreduce", "mlp", "sgd", {"bucket_mb": 0.0005}),  # several buckets, overlapped

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import numpy as np
 import pytest
 import torch
 
@@ -13,7 +12,7 @@ from gradhub.ps.config import ServerConfig
 from gradhub.ps.launch import ServerHandle, start_server
 from gradhub.train.strategies import make_strategy
 from harness import run_ranks
-from train_helpers import reference_step, tiny_model, uneven_part
+from train_helpers import reference_step, sgd, tiny_model, uneven_steps
 
 
 @pytest.fixture
@@ -23,22 +22,12 @@ def sync_server() -> Iterator[ServerHandle]:
         yield handle
 
 
-def _uneven_ps(rank: int, world_size: int, address: str) -> list[np.ndarray]:
-    runtime = gradhub.init(timeout=30)
-    model = tiny_model(seed=0 if rank == 0 else 7)  # rank 0 initialises the keys
-    strategy = make_strategy("ps-sync", servers=[address], timeout=30)
-    strategy.setup(model, None, runtime)
-    x, y = uneven_part(rank)
-    for _ in range(3):
-        strategy.step(lambda: torch.nn.functional.cross_entropy(model(x), y), len(x), 8)
-    strategy.close()
-    runtime.close()
-    return [p.detach().numpy().copy() for p in model.parameters()]
-
-
+@pytest.mark.slow
 def test_ps_sync_uneven_batches_equal_single_process_steps(sync_server: ServerHandle) -> None:
-    results = run_ranks(_uneven_ps, 2, sync_server.address, timeout=90)
-    expected = reference_step(lambda p: torch.optim.SGD(p, lr=0.5, momentum=0.9), steps=3)
+    # Rank 0 initialises the keys; the servers hold the optimizer.
+    options = {"servers": [sync_server.address], "timeout": 30}
+    results = run_ranks(uneven_steps, 2, "ps-sync", options, False, timeout=90)
+    expected = reference_step(sgd, steps=3)
     for r in results:
         for got, want in zip(r.value, expected, strict=True):
             # The server sums 5/8 * mean5 + 3/8 * mean3 (float32) and runs the same
@@ -46,6 +35,7 @@ def test_ps_sync_uneven_batches_equal_single_process_steps(sync_server: ServerHa
             torch.testing.assert_close(torch.from_numpy(got), want, rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_wrong_mode_and_unreachable_servers_are_clear_errors(sync_server: ServerHandle) -> None:
     runtime = gradhub.init(timeout=10)
     try:

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
+
+import gradhub
+from gradhub.train.strategies import make_strategy
 
 
 def tiny_model(seed: int = 0) -> nn.Module:
@@ -30,6 +35,33 @@ def reference_step(
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
     return [p.detach().clone() for p in model.parameters()]
+
+
+def sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """The optimizer of the uneven-batch tests and of their reference."""
+    return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+
+
+def uneven_steps(
+    rank: int, world_size: int, strategy: str, options: dict[str, Any], optimizer: bool = True
+) -> list[np.ndarray]:
+    """One rank of a 2-rank job: 3 steps of ``strategy`` on :func:`uneven_part`.
+
+    Rank 1 starts from other weights, so set-up must make it adopt rank 0's.
+    ``optimizer=False`` gives the strategy none (the parameter servers hold it).
+    Returns the parameters after the steps, as NumPy arrays.
+    """
+    runtime = gradhub.init(timeout=30)
+    model = tiny_model(seed=0 if rank == 0 else 7)
+    opt = sgd(list(model.parameters())) if optimizer else None
+    steps = make_strategy(strategy, **options)
+    steps.setup(model, opt, runtime)
+    x, y = uneven_part(rank)
+    for _ in range(3):
+        steps.step(lambda: nn.functional.cross_entropy(model(x), y), len(x), 8)
+    steps.close()
+    runtime.close()
+    return [p.detach().numpy().copy() for p in model.parameters()]
 
 
 def uneven_part(rank: int) -> tuple[torch.Tensor, torch.Tensor]:

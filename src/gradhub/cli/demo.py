@@ -10,7 +10,7 @@ softmax classifier), then an MLP (64-128-10) trained by
 :class:`~gradhub.DataParallelTrainer`: ``single`` (one process, the
 reference), and ``allreduce``, ``sharded``, ``ps-async``, ``ps-sync``,
 ``ps-ssp``, each a real job of ``--workers`` processes started through
-torchrun's machinery (:func:`gradhub.train.launch.launch`, parameter servers
+torchrun's machinery (:func:`gradhub.launcher.launch`, parameter servers
 first for ``ps-*``). Metrics go to JSON lines under the run folder (one
 sub-folder per strategy) and the curves to ``curves.png`` there. Wall time
 counts process start-up; samples/s counts the training loop only.
@@ -46,7 +46,7 @@ class DemoRow:
 
 def run_threads(args: argparse.Namespace) -> DemoRow:
     """Worker threads add gradients to a DistributedGradientsCoordinator in real time."""
-    from gradhub.train.threaded import ThreadedConfig, train_softmax_threaded
+    from gradhub.demo.threads import ThreadedConfig, train_softmax_threaded
 
     config = ThreadedConfig(
         workers=args.workers,
@@ -92,7 +92,7 @@ def _mlp_row(name: str, workers: int, result: dict[str, Any], wall: float) -> De
 
 def run_single(args: argparse.Namespace) -> DemoRow:
     """The reference: the same MLP and data in this one process."""
-    from gradhub.cli.demo_job import train
+    from gradhub.demo.job import train
 
     folder = _run_dir(args) / "single"
     begin = time.perf_counter()
@@ -109,8 +109,8 @@ def run_single(args: argparse.Namespace) -> DemoRow:
 
 def _job(name: str) -> Callable[[argparse.Namespace], DemoRow]:
     def run_job(args: argparse.Namespace) -> DemoRow:
+        from gradhub.launcher import LaunchConfig, launch
         from gradhub.ps.config import ServerConfig
-        from gradhub.train.launch import LaunchConfig, launch
 
         folder = _run_dir(args) / name
         mode = _PS_MODES.get(name, "async")
@@ -118,7 +118,7 @@ def _job(name: str) -> Callable[[argparse.Namespace], DemoRow]:
             nproc=args.workers,
             module=True,
             target=[
-                "gradhub.cli.demo_job",
+                "gradhub.demo.job",
                 f"--strategy={name}",
                 f"--run-dir={folder}",
                 f"--epochs={args.epochs}",

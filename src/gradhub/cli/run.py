@@ -1,6 +1,6 @@
 """``gradhub run -n N [--servers S] [--nnodes M ...] script.py [args]``: a training job.
 
-A thin front over :func:`gradhub.train.launch.launch`, which hands the
+A thin front over :func:`gradhub.launcher.launch`, which hands the
 worker processes to ``torch.distributed.run``. The script calls
 ``gradhub.init()``; the same script runs under ``torchrun`` unchanged.
 """
@@ -62,7 +62,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gradhub.train.launch import LaunchConfig, launch
+    from gradhub.launcher import LaunchConfig, launch
 
     try:
         server = ServerConfig(

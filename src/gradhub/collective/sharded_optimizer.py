@@ -29,16 +29,14 @@ stepped like any other (torch optimizers accept empty tensors).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from gradhub.collective.allreduce_parameter import AllReduceParameter
 from gradhub.errors import StateError
-from gradhub.optim import OptimizerSpec
-
-OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+from gradhub.optim import OptimizerFactory, OptimizerSpec
 
 
 class ShardedOptimizer:

@@ -1,7 +1,7 @@
-"""One process of a ``gradhub demo`` job: ``python -m gradhub.cli.demo_job ...``.
+"""One process of a ``gradhub demo`` job: ``python -m gradhub.demo.job ...``.
 
 ``gradhub demo`` starts this module on every worker through
-:func:`gradhub.train.launch.launch` (torchrun underneath), once per strategy.
+:func:`gradhub.launcher.launch` (torchrun underneath), once per strategy.
 It trains a small MLP on scikit-learn's digits with
 :class:`~gradhub.DataParallelTrainer`; rank 0 writes the result as
 ``result.json`` in the run folder, which the demo reads for its table.
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 import gradhub
-from gradhub.train.threaded import load_digits_split
+from gradhub.demo.threads import load_digits_split
 
 
 def make_mlp(seed: int) -> torch.nn.Module:
@@ -60,7 +60,7 @@ def train(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m gradhub.cli.demo_job")
+    p = argparse.ArgumentParser(prog="python -m gradhub.demo.job")
     p.add_argument("--strategy", required=True)
     p.add_argument("--run-dir", type=Path, required=True)
     p.add_argument("--epochs", type=int, default=15)
