@@ -14,18 +14,23 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import socket
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gradhub.runtime import free_loopback_port
-
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    return free_loopback_port()
+    """A TCP port on 127.0.0.1 that was free a moment ago.
+
+    (Not gradhub's own helper: importing gradhub would import torch into every
+    child, also those that do not need it.)
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 @dataclass
