@@ -87,8 +87,8 @@ def make_methods(
 
         def out_of_place(codec: str, g: CollectiveGroup = group) -> Callable[[torch.Tensor], None]:
             def run(x: torch.Tensor) -> None:
-                reduce_scatter(x, group=g, codec=codec, out=own_out)
-                all_gather(own_out, n, group=g, codec=codec, out=full_out)
+                reduce_scatter(x, group=g, compress=codec, out=own_out)
+                all_gather(own_out, n, group=g, compress=codec, out=full_out)
 
             return run
 

@@ -83,9 +83,9 @@ def ring_job(rank: int, world_size: int, port: int) -> dict[str, str]:
             for name, path in itertools.product(CODECS, PATHS):
                 codec = codecs.get(name)
                 small = PATHS[path]
-                mine = reduce_scatter(xs[rank], group=group, codec=codec, small_bytes=small)
+                mine = reduce_scatter(xs[rank], group=group, compress=codec, small_bytes=small)
                 assert mine.dtype == torch.float32 and mine.numel() == length
-                full = all_gather(mine, size, group=group, codec=codec, small_bytes=small)
+                full = all_gather(mine, size, group=group, compress=codec, small_bytes=small)
                 if name == "none":
                     assert torch.equal(mine, reference[start : start + length]), (size, name)
                     assert torch.equal(full, reference), (size, name)
@@ -98,8 +98,8 @@ def ring_job(rank: int, world_size: int, port: int) -> dict[str, str]:
                 # gather writes over the input; the same bits as out of place.
                 x = xs[rank].clone()
                 own = x[start : start + length]
-                reduce_scatter(x, group=group, codec=codec, out=own, small_bytes=small)
-                all_gather(own, size, group=group, codec=codec, out=x, small_bytes=small)
+                reduce_scatter(x, group=group, compress=codec, out=own, small_bytes=small)
+                all_gather(own, size, group=group, compress=codec, out=x, small_bytes=small)
                 assert torch.equal(x, full), (size, name, path)
                 digests[f"{size}/{name}/{path}"] = hashlib.sha256(
                     full.numpy().tobytes()
@@ -136,7 +136,7 @@ def nccl_job(rank: int, world_size: int, port: int) -> bool:
             exact = torch.stack([x.double() for x in xs]).sum(0)
             for name in CODECS:
                 codec = codecs.get(name)
-                full = all_gather(reduce_scatter(xs[rank], group=group, codec=codec), size)
+                full = all_gather(reduce_scatter(xs[rank], group=group, compress=codec), size)
                 err = (full.double() - exact).abs()
                 bound = error_bound([x.cpu() for x in xs], codec, world_size).to(err.device)
                 assert bool((err <= bound + 1e-5 * bound.max()).all()), (size, name)

@@ -59,13 +59,13 @@ def results_of(group: CollectiveGroup, rank: int, world_size: int) -> dict[str, 
         start, length = partition_ranges(size, world_size)[rank]
         for name, path in itertools.product(CODECS, PATHS):
             small = PATHS[path]
-            mine = reduce_scatter(x, group=group, codec=name, small_bytes=small)
-            full = all_gather(mine, size, group=group, codec=name, small_bytes=small)
+            mine = reduce_scatter(x, group=group, compress=name, small_bytes=small)
+            full = all_gather(mine, size, group=group, compress=name, small_bytes=small)
             y = x.clone()
             own = y[start : start + length]
-            reduce_scatter(y, group=group, codec=name, out=own, small_bytes=small)
+            reduce_scatter(y, group=group, compress=name, out=own, small_bytes=small)
             wire = own if name == "none" else codecs.get(name).encode(own)
-            all_gather(wire, size, group=group, codec=name, out=y, small_bytes=small)
+            all_gather(wire, size, group=group, compress=name, out=y, small_bytes=small)
             out[f"{size}/{name}/{path}/rs"] = mine
             out[f"{size}/{name}/{path}/out"] = full
             out[f"{size}/{name}/{path}/inplace"] = y

@@ -101,6 +101,8 @@ class BF16Truncate(Codec):
 
 
 _CODECS: dict[str, type[Codec]] = {c.name: c for c in (NoCompression, FP16, BF16, BF16Truncate)}
+"""The one registry of codec names. Its order gives each codec its code in the
+parameter-server wire header: add new codecs at the end."""
 
 
 def available() -> list[str]:

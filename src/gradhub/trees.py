@@ -12,16 +12,20 @@ Decisions:
   keys (the order of the tree the spec was taken from), so two dicts with the
   same keys in another insertion order still line up.
 - Python scalars are not leaves: a parameter is always a tensor (0-d is fine).
+- Walking and mapping converted trees is ``torch.utils._pytree``'s (the
+  same walk as torch's own); validation against a :class:`TreeSpec` is ours,
+  because its errors name the path, the expected and the received shape.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 import numpy as np
 import torch
+from torch.utils import _pytree as pytree
 
 from gradhub.errors import ShapeMismatchError
 
@@ -58,28 +62,13 @@ def as_tree(tree: Tree, *, path: str = ROOT) -> Tree:
 
 def leaves(tree: Tree) -> list[torch.Tensor]:
     """The tensors of an already converted tree, depth first."""
-    return list(_iter_leaves(tree))
+    found: list[torch.Tensor] = pytree.tree_leaves(tree)
+    return found
 
 
-def _iter_leaves(tree: Tree) -> Iterator[torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        yield tree
-    elif isinstance(tree, Mapping):
-        for v in tree.values():
-            yield from _iter_leaves(v)
-    else:
-        for v in tree:
-            yield from _iter_leaves(v)
-
-
-def map_tree(fn: Callable[[torch.Tensor], torch.Tensor], tree: Tree) -> Tree:
-    """Apply ``fn`` to every leaf, keeping the structure."""
-    if isinstance(tree, torch.Tensor):
-        return fn(tree)
-    if isinstance(tree, Mapping):
-        return {k: map_tree(fn, v) for k, v in tree.items()}
-    items = [map_tree(fn, v) for v in tree]
-    return items if isinstance(tree, list) else tuple(items)
+def map_tree(fn: Callable[[torch.Tensor], Any], tree: Tree) -> Tree:
+    """Apply ``fn`` to every leaf, keeping the structure (and the container types)."""
+    return pytree.tree_map(fn, tree)
 
 
 def clone_tree(tree: Tree) -> Tree:
@@ -89,12 +78,7 @@ def clone_tree(tree: Tree) -> Tree:
 
 def tree_to_numpy(tree: Tree) -> Tree:
     """The same tree with every tensor copied to a NumPy array (on the CPU)."""
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().cpu().numpy().copy()
-    if isinstance(tree, Mapping):
-        return {k: tree_to_numpy(v) for k, v in tree.items()}
-    items = [tree_to_numpy(v) for v in tree]
-    return items if isinstance(tree, list) else tuple(items)
+    return map_tree(lambda t: t.detach().cpu().numpy().copy(), tree)
 
 
 @dataclass(frozen=True)

@@ -91,7 +91,7 @@ def reduce_scatter(
     tensor: torch.Tensor,
     *,
     group: Group = None,
-    codec: str | codecs.Codec = "none",
+    compress: str | codecs.Codec = "none",
     out: torch.Tensor | None = None,
     timeout: float | None = None,
     pipeline_elements: int = DEFAULT_PIPELINE_ELEMENTS,
@@ -105,7 +105,7 @@ def reduce_scatter(
     ``out`` may be this rank's own slice of ``tensor``: followed by
     ``all_gather(out, tensor.numel(), out=tensor)`` that is an in-place all-reduce.
     """
-    c = codecs.get(codec)
+    c = codecs.get(compress)
     with CollectiveGroup.borrow(group) as g:
         flat = _flat_fp32(tensor, g.device)
         return g.submit(
@@ -127,7 +127,7 @@ def all_gather(
     size: int,
     *,
     group: Group = None,
-    codec: str | codecs.Codec = "none",
+    compress: str | codecs.Codec = "none",
     out: torch.Tensor | None = None,
     timeout: float | None = None,
     pipeline_elements: int = DEFAULT_PIPELINE_ELEMENTS,
@@ -138,7 +138,7 @@ def all_gather(
     ``partition`` must have this rank's slice length. ``out`` (``size`` fp32
     elements) is filled when given, else a new vector is returned.
     """
-    c = codecs.get(codec)
+    c = codecs.get(compress)
     with CollectiveGroup.borrow(group) as g:
         flat = _flat_fp32(partition, g.device)
         # fp32 on the wire: the slice is copied into place by the all-gather itself.
@@ -162,7 +162,7 @@ def all_reduce(
     tensor: torch.Tensor,
     *,
     group: Group = None,
-    codec: str | codecs.Codec = "none",
+    compress: str | codecs.Codec = "none",
     timeout: float | None = None,
     pipeline_elements: int = DEFAULT_PIPELINE_ELEMENTS,
     small_bytes: int = SMALL_BYTES,
@@ -177,7 +177,7 @@ def all_reduce(
     transport ``"gloo"`` it is gloo's own ``all_reduce``.
     """
     g = CollectiveGroup.of(group)
-    c = codecs.get(codec)
+    c = codecs.get(compress)
     flat = _check_out(tensor, tensor.numel(), g.device).view(-1)
     return g.submit(
         "all_reduce",

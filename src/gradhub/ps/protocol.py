@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from gradhub import codecs
 from gradhub.errors import AuthenticationError, OversizedError, ProtocolError, UnknownOpError
 
 MAGIC = b"GH"
@@ -108,7 +109,8 @@ _DTYPES: dict[int, torch.dtype] = {
 _DTYPE_CODES = {d: c for c, d in _DTYPES.items()}
 _ITEMSIZE = {c: torch.empty((), dtype=d).element_size() for c, d in _DTYPES.items()}
 
-CODECS = ("none", "fp16", "bf16", "bf16-truncate")
+CODECS = tuple(codecs.available())
+"""Codec names by wire code: the one registry's order (:func:`gradhub.codecs.available`)."""
 _CODEC_CODES = {name: i for i, name in enumerate(CODECS)}
 
 

@@ -78,7 +78,7 @@ class RemoteParameterServer(ParameterServer):
         nonfinite: a push holding NaN or infinity is refused with
             ``NonFiniteError`` (``"error"``) or dropped with a warning
             (``"skip"``: its future is done, nothing is sent).
-        codec: wire codec for gradients (``"none"``, ``"fp16"``, ``"bf16"``, ...);
+        compress: wire codec for gradients (``"none"``, ``"fp16"``, ``"bf16"``, ...);
             values always travel exactly.
         slice_bytes: tensors above this many bytes are sliced over all servers.
         heartbeat_interval: seconds between heartbeats to each server.
@@ -95,7 +95,7 @@ class RemoteParameterServer(ParameterServer):
         timeout: float = 60.0,
         connect_timeout: float = 10.0,
         nonfinite: str = "error",
-        codec: str = "none",
+        compress: str = "none",
         slice_bytes: int = DEFAULT_SLICE_BYTES,
         heartbeat_interval: float = 1.0,
         retry_interval: float = 5.0,
@@ -118,7 +118,7 @@ class RemoteParameterServer(ParameterServer):
         self.nonfinite = nonfinite
         self.skipped = 0
         """Pushes dropped because they held NaN or infinity (``nonfinite="skip"``)."""
-        self.codec = codecs.get(codec)
+        self.codec = codecs.get(compress)
         self.slice_bytes = int(slice_bytes)
         self._closed = False
         self._channel = Channel(

@@ -80,7 +80,7 @@ class PSConfig:
     """Shared secret when the servers require one."""
     timeout: float = 60.0
     """Seconds a push or pull may take (ssp/sync waits included) before an error."""
-    codec: str = "none"
+    compress: str = "none"
     """Wire codec for gradients (``"none"``, ``"fp16"``, ``"bf16"``, ...)."""
 
     def __post_init__(self) -> None:
@@ -157,7 +157,7 @@ class _PSStrategy(Strategy):
             worker_id=rt.rank,
             secret=self.config.secret,
             timeout=self.config.timeout,
-            codec=self.config.codec,
+            compress=self.config.compress,
         )
         try:
             reports = self._client.stats()
