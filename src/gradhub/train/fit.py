@@ -359,7 +359,7 @@ class FitRun:
         finally:
             bar.close()
         wall = time.perf_counter() - t0
-        result = result_cls(
+        result: FitResult = result_cls(
             strategy=self.strategy.name,
             world_size=rt.world_size,
             start_step=start,

@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import MutableMapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # subscriptable at run time only from Python 3.11
+    _Adapter = logging.LoggerAdapter[logging.Logger]
+else:
+    _Adapter = logging.LoggerAdapter
 
 
-class RankLogger(logging.LoggerAdapter):
+class RankLogger(_Adapter):
     """A logger adapter that prefixes every message with ``[rank N]``."""
 
     def process(self, msg: Any, kwargs: MutableMapping[str, Any]) -> tuple[Any, Any]:

@@ -233,7 +233,7 @@ class _PSStrategy(Strategy):
             ]
         )
         self.runtime.all_reduce_sum(flat, where="gradient norm")
-        norm = torch.linalg.vector_norm(flat, norm_type)
+        norm: torch.Tensor = torch.linalg.vector_norm(flat, norm_type)
         flat.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0) / self.world_size)
         self._combined = flat
         return norm
