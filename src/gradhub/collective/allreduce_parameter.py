@@ -100,6 +100,7 @@ class AllReduceParameter:
         self._weights = torch.zeros(self._length, dtype=torch.float32, device=device)
         self._gradients = torch.zeros(self._length, dtype=torch.float32, device=device)
         self._published: torch.Tensor | None = None
+        self._gathering: list[CollectiveFuture[Tree]] = []  # get_weights reading _published
         self._pending: CollectiveFuture[torch.Tensor] | None = None
         self._staging: torch.Tensor | None = None
         self._spec: TreeSpec | None = None
@@ -224,7 +225,9 @@ class AllReduceParameter:
                         spec.unflatten_into(gathered, target)
             return local_parameter
 
-        return self.group.submit("get_weights", body)
+        future = self.group.submit("get_weights", body)
+        self._gathering = [f for f in self._gathering if not f.done()] + [future]
+        return future
 
     def put_gradients(self, gradient: Tree) -> None:
         """Copy ``gradient`` (``size`` elements or a tree like the parameter) and
@@ -276,7 +279,17 @@ class AllReduceParameter:
     def send_weight_partition(self) -> None:
         """Publish the current ``weight_partition`` (encoded) for ``get_weights``."""
         self._check_open("send_weight_partition")
-        self._published = self.codec.encode(self._weights)
+        published = self._published
+        if (
+            isinstance(self.codec, codecs.NoCompression)
+            and published is not None
+            and not any(not f.done() for f in self._gathering)
+        ):
+            # No all-gather reads the previous snapshot any more: overwrite it
+            # (a fresh vector per step would be page-faulted in every time).
+            published.copy_(self._weights)
+        else:
+            self._published = self.codec.encode(self._weights)
 
     # -------------------------------------------------------------- lifecycle
     def close(self) -> None:
