@@ -208,8 +208,9 @@ class CollectiveGroup:
                 wrapper.close()
 
     # ------------------------------------------------------------- operations
-    def begin(self, name: str, timeout: float | None = None) -> Operation:
-        """Start operation ``name``: check it is allowed, number it, check in."""
+    def begin(self, name: str, timeout: float | None = None, *, check_in: bool = True) -> Operation:
+        """Start operation ``name``: check it is allowed, number it, check in
+        (``check_in=False``: a transport that tells who entered by itself)."""
         if self._closed:
             raise ClosedError(f"[rank {self.rank}] {name}: the collective group is closed")
         if self._broken is not None:
@@ -220,7 +221,8 @@ class CollectiveGroup:
         with self._lock:
             self._sequence += 1
             sequence = self._sequence
-        self._check_in(sequence)
+        if check_in:
+            self._check_in(sequence)
         limit = self.timeout if timeout is None else float(timeout)
         return Operation(name, sequence, limit, time.monotonic() + limit)
 

@@ -466,7 +466,17 @@ class ShmTransport:
 
     # ---------------------------------------------------------------- errors
     def _late(self, op: Operation, j: int) -> CollectiveTimeoutError:
-        return self.group._timed_out(op, self.ranks[j])
+        """The counters are this transport's check-ins: a rank whose counter is
+        behind this operation's number has not entered it."""
+        self.group._broken = f"{op.name} timed out"
+        k = self._sequence
+        behind = [self.ranks[i] for i in range(self.size) if self._counters[i * _STRIDE] < k]
+        detail = (
+            f"not entered the operation; rank {self.group.rank} was waiting on rank {self.ranks[j]}"
+        )
+        err = CollectiveTimeoutError(op.name, behind or [self.ranks[j]], op.timeout, detail)
+        _log.error("[rank %d] %s", self.group.rank, err)
+        return err
 
     def _died(self, op: Operation, j: int, during: str) -> WorkerFailedError:
         rank = self.ranks[j]
