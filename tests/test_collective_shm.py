@@ -118,9 +118,8 @@ def test_shared_memory_gives_the_rings_bits(world_size: int) -> None:
         assert all(r["chosen"] == "shm" for r in results)
     if world_size == 4:
         # 4 ranks on a 2-core machine: blocking waits keep shared memory in the
-        # range of gloo's all_reduce; a spinning
-        # waiter would take 10-100x longer. The bound is loose on purpose (the
-        # machine is shared).
+        # range of gloo's all_reduce; a spinning waiter would take 10-100x
+        # longer. The bound is loose on purpose (the machine is shared).
         worst = max(r["shm_s"] for r in results)
         assert worst < 10 * max(r["gloo_s"] for r in results) + 5.0, results
 

@@ -13,6 +13,8 @@ nothing behind: the kernel frees a segment when its last mapping goes.
   as the vector); operation ``k`` uses set ``k % 2``. It grows (a new segment
   from the leader, sent over the socket) when a larger vector comes; every
   rank grows at the same operation because every rank sees the same sizes.
+  Memory: ``2 * ranks * (largest vector in bytes)`` per host, resident once
+  touched, until the group closes.
 
 Algorithm (one synchronisation per operation):
 
