@@ -55,6 +55,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradhub._config import config_or_options
 from gradhub.errors import CollectiveTimeoutError, WorkerFailedError
 
 log = logging.getLogger(__name__)
@@ -138,9 +139,7 @@ class PowerSGD:
         group: dist.ProcessGroup | None = None,
         **options: Any,
     ) -> None:
-        if config is not None and options:
-            raise TypeError("pass either config= or keyword options, not both")
-        self.config = config or PowerSGDConfig(**options)
+        self.config = config_or_options(PowerSGDConfig, config, options)
         self.group = group
         self._buckets: dict[int, _BucketState] = {}
         self._pending: dict[int, dict[str, Any]] = {}

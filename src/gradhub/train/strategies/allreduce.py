@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from gradhub._config import config_or_options
 from gradhub.train import reducers
 from gradhub.train.strategies.base import Strategy
 
@@ -100,9 +101,7 @@ class AllReduceStrategy(Strategy):
 
     def __init__(self, config: AllReduceConfig | None = None, **options: Any) -> None:
         super().__init__()
-        if config is not None and options:
-            raise TypeError("pass either config= or keyword options, not both")
-        self.config = config or AllReduceConfig(**options)
+        self.config = config_or_options(AllReduceConfig, config, options)
         self._buckets: list[_Bucket] = []
         self._where: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, index in bucket)
         self._reducer: Any = None

@@ -61,6 +61,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from gradhub._config import config_or_options
 from gradhub.errors import DuplicateParameterError, GradhubError, GradhubTimeoutError
 from gradhub.optim import OptimizerSpec
 from gradhub.train.strategies.base import Strategy
@@ -120,9 +121,7 @@ class _PSStrategy(Strategy):
 
     def __init__(self, config: PSConfig | None = None, **options: Any) -> None:
         super().__init__()
-        if config is not None and options:
-            raise TypeError("pass either config= or keyword options, not both")
-        self.config = config or PSConfig(**options)
+        self.config = config_or_options(PSConfig, config, options)
         self._client: Any = None
         self._keys: list[tuple[str, torch.nn.Parameter, int]] = []  # name, parameter, group
         self._sent: list[dict[str, Any]] = []  # per group: hyperparameters the servers have

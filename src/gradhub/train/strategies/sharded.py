@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from gradhub import codecs
+from gradhub._config import config_or_options
 from gradhub.collective import AllReduceParameter, ShardedOptimizer
 from gradhub.optim import OptimizerSpec
 from gradhub.train.strategies.base import Strategy
@@ -64,9 +65,7 @@ class ShardedStrategy(Strategy):
 
     def __init__(self, config: ShardedConfig | None = None, **options: Any) -> None:
         super().__init__()
-        if config is not None and options:
-            raise TypeError("pass either config= or keyword options, not both")
-        self.config = config or ShardedConfig(**options)
+        self.config = config_or_options(ShardedConfig, config, options)
         self._groups: list[list[torch.nn.Parameter]] = []
         self._flat = torch.zeros(0)
         self._grad = torch.zeros(0)
