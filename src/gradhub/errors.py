@@ -162,5 +162,9 @@ class ReplicasDivergedError(GradhubError, RuntimeError):
         )
 
 
+class RendezvousError(GradhubTimeoutError):
+    """This process could not join the job (its store or its peers) within the timeout."""
+
+
 class LaunchEnvironmentError(GradhubError, ValueError):
     """The launcher's environment (``RANK``, ``WORLD_SIZE``, ...) is incomplete or invalid."""

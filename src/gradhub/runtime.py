@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from gradhub.collective.group import CollectiveGroup, default_store
-from gradhub.errors import ClosedError, LaunchEnvironmentError
+from gradhub.errors import ClosedError, LaunchEnvironmentError, RendezvousError
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +106,25 @@ def _launch_env(environ: Mapping[str, str]) -> tuple[int, int, int]:
     return rank, world_size, _env_int(environ, "LOCAL_RANK", rank)
 
 
+def _joined(where: str, rank: int, timeout: float, exc: RuntimeError) -> RendezvousError:
+    """c10d's error while joining the job, as ours (the one place set-up translates them)."""
+    return RendezvousError(
+        f"[rank {rank}] could not join the job through {where} within {timeout:g}s: "
+        f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}\n"
+        "- help: start every rank with the same MASTER_ADDR/MASTER_PORT and WORLD_SIZE; "
+        "rank 0 hosts the store, and every rank must start within the timeout"
+    )
+
+
+def _tcp_store(host: str, port: int, world_size: int, rank: int, timeout: float) -> dist.Store:
+    try:
+        return dist.TCPStore(
+            host, port, world_size, is_master=rank == 0, timeout=timedelta(seconds=timeout)
+        )
+    except RuntimeError as exc:  # DistNetworkError, DistStoreError
+        raise _joined(f"the store at {host}:{port}", rank, timeout, exc) from exc
+
+
 def _start(
     store: dist.Store,
     rank: int,
@@ -117,9 +136,16 @@ def _start(
 ) -> CollectiveGroup:
     if backend == "nccl":
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
-    dist.init_process_group(
-        backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
-    )
+    try:
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout),
+        )
+    except RuntimeError as exc:  # a peer that never connected (DistError)
+        raise _joined(f"a {backend} process group of {world_size}", rank, timeout, exc) from exc
     pg = dist.group.WORLD
     assert pg is not None
     group = CollectiveGroup(
@@ -155,15 +181,14 @@ def init_process_group_from_env(
     td = timedelta(seconds=limit)
     if env is None:
         # The env:// rendezvous also handles torchrun's agent-hosted store.
-        store, rank, world_size = next(dist.rendezvous("env://", timeout=td))
+        try:
+            store, rank, world_size = next(dist.rendezvous("env://", timeout=td))
+        except RuntimeError as exc:
+            where = f"env:// at {environ['MASTER_ADDR']}:{environ['MASTER_PORT']}"
+            raise _joined(where, rank, limit, exc) from exc
     else:
-        store = dist.TCPStore(
-            environ["MASTER_ADDR"],
-            int(environ["MASTER_PORT"]),
-            world_size,
-            is_master=rank == 0,
-            timeout=td,
-        )
+        host, port = environ["MASTER_ADDR"], int(environ["MASTER_PORT"])
+        store = _tcp_store(host, port, world_size, rank, limit)
     return _start(store, rank, world_size, backend, limit, local_rank)
 
 
@@ -189,9 +214,7 @@ def local_group(
     _check_timeout(timeout)
     backend = pick_backend(backend)
     limit = DEFAULT_TIMEOUT if timeout is None else float(timeout)
-    store = dist.TCPStore(
-        "127.0.0.1", port, world_size, is_master=rank == 0, timeout=timedelta(seconds=limit)
-    )
+    store = _tcp_store("127.0.0.1", port, world_size, rank, limit)
     return _start(store, rank, world_size, backend, limit, rank, transport)
 
 

@@ -1,0 +1,70 @@
+"""gradhub.runtime in one process: defaults, adopted groups, set-up errors."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+import gradhub
+from gradhub.errors import GradhubError, GradhubTimeoutError, LaunchEnvironmentError
+from gradhub.runtime import DEFAULT_TIMEOUT, free_loopback_port, local_group
+
+LAUNCH = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def plain_process(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    for key in LAUNCH:
+        monkeypatch.delenv(key, raising=False)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_a_plain_process_is_a_job_of_one_with_the_default_timeout() -> None:
+    with gradhub.init() as runtime:
+        assert (runtime.rank, runtime.world_size, runtime.is_main) == (0, 1, True)
+        assert runtime.timeout == runtime.group.timeout == DEFAULT_TIMEOUT
+        assert runtime.owns_group and dist.is_initialized()
+    assert not dist.is_initialized()  # it created the group, so it destroyed it
+    with pytest.raises(ValueError, match="timeout"):
+        gradhub.init(timeout=0)
+
+
+def test_a_group_the_user_made_keeps_its_own_timeout() -> None:
+    dist.init_process_group(
+        "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=8)
+    )
+    with gradhub.init() as runtime:
+        assert runtime.timeout == runtime.group.timeout == 8.0
+        assert not runtime.owns_group
+    assert dist.is_initialized()  # not this runtime's to destroy
+    with gradhub.init(timeout=2.5) as runtime:  # an explicit timeout wins
+        assert runtime.group.timeout == 2.5
+
+
+def test_an_incomplete_launch_environment_names_what_is_missing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(LaunchEnvironmentError, match="MASTER_ADDR, MASTER_PORT not set") as info:
+        gradhub.init()
+    assert isinstance(info.value, GradhubError) and isinstance(info.value, ValueError)
+    assert not dist.is_initialized()
+
+
+def test_a_peer_that_never_comes_is_a_rendezvous_timeout() -> None:
+    port = free_loopback_port()
+    begin = time.monotonic()
+    with pytest.raises(GradhubTimeoutError, match=f"127.0.0.1:{port} within 1s") as info:
+        local_group(0, 2, port, timeout=1.0)
+    # Bounded by the timeout (asserted loosely: a loaded machine is slow).
+    assert time.monotonic() - begin < 30
+    assert "- help:" in str(info.value)
+    assert isinstance(info.value.__cause__, RuntimeError)  # c10d's, kept as the cause
+    assert not dist.is_initialized()
