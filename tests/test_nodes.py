@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from gradhub.cli.main import main
-from gradhub.train.nodes import interface_of, locate, split_endpoint
+from gradhub.nodes import interface_of, locate, split_endpoint
 
 
 def test_split_endpoint() -> None:

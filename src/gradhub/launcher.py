@@ -17,7 +17,7 @@ does not exist, fewer than one process, a bad server configuration.
 
 Across nodes (``nnodes > 1``), every node runs the same command with
 torchrun's multi-node options (``nnodes``, ``node_rank``, ``rdzv_backend``,
-``rdzv_endpoint``, ``rdzv_id``). :func:`gradhub.train.nodes.locate` works
+``rdzv_endpoint``, ``rdzv_id``). :func:`gradhub.nodes.locate` works
 out what torchrun would otherwise need spelled out: this node's address
 (``--local-addr``), whether it hosts the rendezvous store
 (``--rdzv-conf is_host=1|0``) and ``GLOO_SOCKET_IFNAME`` (set only if the
@@ -46,9 +46,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from gradhub.nodes import NodePlace, locate
 from gradhub.ps.config import ServerConfig
 from gradhub.runtime import free_loopback_port
-from gradhub.train.nodes import NodePlace, locate
 from gradhub.train.strategies.ps import ADDRESSES_KEY
 
 log = logging.getLogger(__name__)

@@ -129,6 +129,8 @@ class CollectiveGroup:
         self.process_group = process_group
         self.transport = transport
         """Requested transport (:mod:`.transport`); ``None``: ``GRADHUB_TRANSPORT`` or auto."""
+        self.transport_choice: Any = None
+        """The transport chosen for this group (set once by :mod:`.transport`)."""
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
         self.backend = str(dist.get_backend(process_group))

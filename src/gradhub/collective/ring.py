@@ -53,13 +53,9 @@ import torch.distributed as dist
 
 from gradhub import codecs
 from gradhub.collective.group import CollectiveFuture, CollectiveGroup, Operation
+from gradhub.collective.p2p_ring import ring_all_gather, ring_reduce_scatter
 from gradhub.collective.schedule import (
-    all_gather_recv_chunk,
-    message_tag,
-    reduce_scatter_recv_chunk,
-    reduce_scatter_send_chunk,
     reduction_order,
-    sub_ranges,
 )
 from gradhub.collective.transport import chosen, select
 from gradhub.errors import ShapeMismatchError
@@ -176,15 +172,25 @@ def all_reduce(
     :func:`all_gather`, on every rank), on the group's transport; with
     transport ``"gloo"`` it is gloo's own ``all_reduce``.
     """
-    g = CollectiveGroup.of(group)
     c = codecs.get(compress)
-    flat = _check_out(tensor, tensor.numel(), g.device).view(-1)
-    return g.submit(
-        "all_reduce",
-        lambda: run_all_reduce(
-            g, flat, c, timeout=timeout, pipeline=pipeline_elements, small_bytes=small_bytes
-        ),
-    )
+
+    def submit(g: CollectiveGroup) -> CollectiveFuture[torch.Tensor]:
+        flat = _check_out(tensor, tensor.numel(), g.device).view(-1)
+        return g.submit(
+            "all_reduce",
+            lambda: run_all_reduce(
+                g, flat, c, timeout=timeout, pipeline=pipeline_elements, small_bytes=small_bytes
+            ),
+        )
+
+    if isinstance(group, CollectiveGroup):
+        return submit(group)
+    # A wrapper made for this call is closed here, so the call completes before
+    # it returns (pass a CollectiveGroup to overlap it with other work).
+    with CollectiveGroup.borrow(group) as g:
+        future = submit(g)
+        future.wait()
+        return future
 
 
 # ------------------------------------------------ bodies (on the worker thread)
@@ -261,7 +267,7 @@ def run_reduce_scatter(
             x = torch.div(
                 flat, group.world_size, out=group.scratch("prescale", flat.numel(), flat.dtype)
             )
-        _ring_reduce_scatter(group, op, x, codec, ranges, pipeline, flat_out)
+        ring_reduce_scatter(group, op, x, codec, ranges, pipeline, flat_out)
         if prescale:
             out.mul_(group.world_size)
     return out
@@ -305,114 +311,10 @@ def run_all_gather(
     direct = codec.wire_dtype == torch.float32
     wire = out.view(-1) if direct else group.scratch("all_gather", size, codec.wire_dtype)
     wire[start : start + length].copy_(own_wire)
-    _ring_all_gather(group, op, wire, ranges, pipeline)
+    ring_all_gather(group, op, wire, ranges, pipeline)
     if not direct:
         out.view(-1).copy_(codec.decode(wire))
     return out
-
-
-# ------------------------------------------------------------------ gloo ring
-class _Sender:
-    """Numbers this operation's messages to the right-hand neighbour and keeps
-    each buffer alive until its send is done."""
-
-    def __init__(self, group: CollectiveGroup, op: Operation):
-        self.group, self.op = group, op
-        self.peer = (group.rank + 1) % group.world_size
-        self.pending: list[tuple[dist.Work, torch.Tensor]] = []
-        self.count = 0
-
-    def send(self, buffer: torch.Tensor) -> None:
-        tag = message_tag(self.op.sequence, self.count)
-        self.count += 1
-        work = dist.isend(buffer, self.peer, group=self.group.process_group, tag=tag)
-        assert work is not None
-        self.pending.append((work, buffer))
-
-    def finish(self) -> None:
-        for work, _ in self.pending:
-            self.group.wait(self.op, work, self.peer)
-        self.pending.clear()
-
-
-def _post_receives(
-    group: CollectiveGroup,
-    op: Operation,
-    buffer: torch.Tensor,
-    chunks: list[int],
-    ranges: list[tuple[int, int]],
-    pipeline: int,
-) -> list[tuple[int, int, int, dist.Work]]:
-    """Post one receive per message of ``chunks`` (in order) into ``buffer``;
-    returns ``(step, start, length, work)`` in the order they will arrive."""
-    peer = (group.rank - 1) % group.world_size
-    posted: list[tuple[int, int, int, dist.Work]] = []
-    for step, chunk in enumerate(chunks):
-        for s, n in sub_ranges(*ranges[chunk], pipeline):
-            tag = message_tag(op.sequence, len(posted))
-            work = dist.irecv(buffer[s : s + n], peer, group=group.process_group, tag=tag)
-            assert work is not None
-            posted.append((step, s, n, work))
-    return posted
-
-
-def _ring_reduce_scatter(
-    group: CollectiveGroup,
-    op: Operation,
-    x: torch.Tensor,
-    codec: codecs.Codec,
-    ranges: list[tuple[int, int]],
-    pipeline: int,
-    out: torch.Tensor,
-) -> None:
-    P, r = group.world_size, group.rank
-    left = (r - 1) % P
-    own_start = ranges[r][0]
-    plain = isinstance(codec, codecs.NoCompression)
-    # Each chunk reaches this rank at most once, so one buffer holds every message.
-    inbox = group.scratch("reduce_scatter", x.numel(), codec.wire_dtype)
-    chunks = [reduce_scatter_recv_chunk(r, s, P) for s in range(P - 1)]
-    receives = _post_receives(group, op, inbox, chunks, ranges, pipeline)
-    sender = _Sender(group, op)
-    for s, n in sub_ranges(*ranges[reduce_scatter_send_chunk(r, 0, P)], pipeline):
-        sender.send(x[s : s + n] if plain else codec.encode(x[s : s + n]))
-    for step, s, n, work in receives:
-        group.wait(op, work, left)
-        received, mine = inbox[s : s + n], x[s : s + n]
-        last = step == P - 2
-        if plain:  # fp32 on the wire: add in place and forward the same buffer
-            if last:
-                torch.add(received, mine, out=out[s - own_start : s - own_start + n])
-            else:
-                sender.send(received.add_(mine))
-        else:
-            partial = codec.decode(received).add_(mine)
-            if last:
-                out[s - own_start : s - own_start + n].copy_(partial)
-            else:
-                sender.send(codec.encode(partial))
-    sender.finish()
-
-
-def _ring_all_gather(
-    group: CollectiveGroup,
-    op: Operation,
-    wire: torch.Tensor,
-    ranges: list[tuple[int, int]],
-    pipeline: int,
-) -> None:
-    P, r = group.world_size, group.rank
-    left = (r - 1) % P
-    chunks = [all_gather_recv_chunk(r, s, P) for s in range(P - 1)]
-    receives = _post_receives(group, op, wire, chunks, ranges, pipeline)
-    sender = _Sender(group, op)
-    for s, n in sub_ranges(*ranges[r], pipeline):
-        sender.send(wire[s : s + n])
-    for step, s, n, work in receives:
-        group.wait(op, work, left)
-        if step < P - 2:
-            sender.send(wire[s : s + n])
-    sender.finish()
 
 
 # ---------------------------------------- collective-based (NCCL, small on gloo)

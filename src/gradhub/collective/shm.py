@@ -53,25 +53,29 @@ Linux only (``memfd_create``, ``pidfd_open``, ``futex``), x86-64 or aarch64.
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
-import mmap
 import os
-import platform
 import secrets
 import select
 import socket
 import struct
-import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import ParamSpec
 
 import torch
 
 from gradhub import codecs
 from gradhub.collective.group import CollectiveGroup, Operation
 from gradhub.collective.schedule import reduction_order
+from gradhub.collective.shm_memory import (
+    Mapping,
+    forgetting_views,
+    futex_wait,
+    futex_wake,
+    new_segment,
+    recv_exact,
+    supported,
+)
 from gradhub.errors import CollectiveTimeoutError, WorkerFailedError
 
 _log = logging.getLogger("gradhub.collective")
@@ -86,74 +90,8 @@ _LINE = 64  # bytes per counter: one cache line each
 _STRIDE = _LINE // 8
 _ALIGN = 4096
 _MIN_CAPACITY = 1 << 20
-_SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
-_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
 _HELLO = struct.Struct("<qq")  # rank, pid
 _GROW = struct.Struct("<q")  # bytes per region
-
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-class _Timespec(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
-
-
-def supported() -> bool:
-    """Whether this platform has what the transport needs."""
-    return (
-        _SYS_FUTEX is not None
-        and hasattr(os, "memfd_create")
-        and hasattr(os, "pidfd_open")
-        and hasattr(socket, "send_fds")
-    )
-
-
-class _Mapping:
-    """One mapped memfd; the descriptor is closed as soon as it is mapped."""
-
-    def __init__(self, fd: int, size: int):
-        try:
-            self.mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
-        finally:
-            os.close(fd)
-        self.size = size
-        self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8) if size else None
-
-    def close(self) -> None:
-        self.bytes = None
-        try:
-            self.mm.close()
-        except BufferError:  # a view is still alive somewhere; the GC unmaps it
-            _log.debug("shared-memory mapping still in use; left to the garbage collector")
-
-
-def _new_segment(size: int, name: str) -> int:
-    fd = os.memfd_create(name, os.MFD_CLOEXEC)
-    try:
-        os.ftruncate(fd, size)
-    except OSError:
-        os.close(fd)
-        raise
-    return fd
-
-
-_P = ParamSpec("_P")
-
-
-def _forgetting_views(fn: Callable[_P, None]) -> Callable[_P, None]:
-    """On an error, clear the locals of the frames it passed through: their views
-    of the segments would keep the mappings (and their descriptors) alive for as
-    long as anyone holds the exception."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> None:
-        try:
-            fn(*args, **kwargs)
-        except BaseException as exc:
-            traceback.clear_frames(exc.__traceback__)
-            raise
-
-    return wrapper
 
 
 class ShmTransport:
@@ -175,11 +113,11 @@ class ShmTransport:
         self.index = self.ranks.index(group.rank)
         self._sequence = 0
         self._capacity = 0
-        self._data: _Mapping | None = None
+        self._data: Mapping | None = None
         self._peers: dict[int, socket.socket] = {}  # index -> socket (leader: all; others: 0)
         self._pidfds: dict[int, int] = {}
         self._pids: list[int] = []
-        self._control: _Mapping | None = None
+        self._control: Mapping | None = None
         self._closed = False
         self._counters: ctypes.Array[ctypes.c_int64] = (ctypes.c_int64 * 0)()
         self._base = 0
@@ -204,7 +142,7 @@ class ShmTransport:
                 listener.bind(address)
                 listener.listen(self.size)
                 store.set(f"{key}/socket", address[1:])
-                fd = _new_segment(control_bytes, "gradhub-control")
+                fd = new_segment(control_bytes, "gradhub-control")
                 try:
                     pids = {0: os.getpid()}
                     for _ in range(self.size - 1):
@@ -215,7 +153,7 @@ class ShmTransport:
                             missing = [self.ranks[i] for i in range(self.size) if i not in pids]
                             raise self._setup_timeout(op, missing) from None
                         conn.settimeout(max(op.remaining(), 0.001))
-                        rank, pid = _HELLO.unpack(_recv_exact(conn, _HELLO.size))
+                        rank, pid = _HELLO.unpack(recv_exact(conn, _HELLO.size))
                         creds = conn.getsockopt(
                             socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")
                         )
@@ -232,7 +170,7 @@ class ShmTransport:
                     table = struct.pack(f"<{self.size}q", *self._pids)
                     for conn in self._peers.values():
                         socket.send_fds(conn, [table], [fd])
-                    self._control = _Mapping(os.dup(fd), control_bytes)
+                    self._control = Mapping(os.dup(fd), control_bytes)
                 finally:
                     os.close(fd)
             finally:
@@ -258,7 +196,7 @@ class ShmTransport:
                     os.close(fd)
                 raise self._died(op, 0, "set-up")
             self._pids = list(struct.unpack(f"<{self.size}q", table))
-            self._control = _Mapping(fds[0], control_bytes)
+            self._control = Mapping(fds[0], control_bytes)
         for i, pid in enumerate(self._pids):
             if i != self.index:
                 try:
@@ -273,7 +211,7 @@ class ShmTransport:
         )
 
     # ------------------------------------------------------------ collectives
-    @_forgetting_views
+    @forgetting_views
     def reduce_scatter(
         self,
         op: Operation,
@@ -333,7 +271,7 @@ class ShmTransport:
             out.add_(last)
         del parts, regions, mine
 
-    @_forgetting_views
+    @forgetting_views
     def all_gather(
         self,
         op: Operation,
@@ -389,7 +327,7 @@ class ShmTransport:
     def _grow(self, op: Operation, capacity: int) -> None:
         total = 2 * self.size * capacity
         if self.index == 0:
-            fd = _new_segment(total, "gradhub-data")
+            fd = new_segment(total, "gradhub-data")
             try:
                 message = _GROW.pack(capacity)
                 for i, conn in self._peers.items():
@@ -397,7 +335,7 @@ class ShmTransport:
                         socket.send_fds(conn, [message], [fd])
                     except OSError:
                         raise self._died(op, i, "growing the shared segment") from None
-                mapping = _Mapping(os.dup(fd), total)
+                mapping = Mapping(os.dup(fd), total)
             finally:
                 os.close(fd)
         else:
@@ -414,14 +352,14 @@ class ShmTransport:
                     os.close(fd)
                 raise self._died(op, 0, "growing the shared segment")
             (capacity,) = _GROW.unpack(message)
-            mapping = _Mapping(fds[0], total)
+            mapping = Mapping(fds[0], total)
         if self._data is not None:
             self._data.close()
         self._data, self._capacity = mapping, capacity
 
     def _publish(self, k: int) -> None:
         self._counters[self.index * _STRIDE] = k  # one aligned 8-byte store
-        _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(self._address(self.index)), _FUTEX_WAKE, 1 << 30)
+        futex_wake(self._address(self.index))
 
     def _address(self, index: int) -> int:
         return self._base + index * _LINE
@@ -439,8 +377,7 @@ class ShmTransport:
 
     def _sleep_until(self, op: Operation, j: int, k: int) -> None:
         counters, slot = self._counters, j * _STRIDE
-        address = ctypes.c_void_p(self._address(j))
-        timeout = _Timespec()
+        address = self._address(j)
         while True:
             seen = counters[slot]
             if seen >= k:
@@ -448,16 +385,7 @@ class ShmTransport:
             remaining = op.remaining()
             if remaining <= 0:
                 raise self._late(op, j)
-            wait = min(WAIT_SLICE, remaining)
-            timeout.tv_sec, timeout.tv_nsec = int(wait), int((wait % 1) * 1e9)
-            # Sleeps only while the counter's low 32 bits still read `seen`.
-            _libc.syscall(
-                _SYS_FUTEX,
-                address,
-                _FUTEX_WAIT,
-                ctypes.c_uint32(seen & 0xFFFFFFFF),
-                ctypes.byref(timeout),
-            )
+            futex_wait(address, seen, min(WAIT_SLICE, remaining))
             if counters[slot] < k and not self._alive(j):
                 raise self._died(op, j, op.name)
 
@@ -512,16 +440,6 @@ class ShmTransport:
         for fd in self._pidfds.values():
             os.close(fd)
         self._pidfds.clear()
-
-
-def _recv_exact(conn: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = conn.recv(n - len(data))
-        if not chunk:
-            raise ConnectionError("peer closed the connection during set-up")
-        data += chunk
-    return data
 
 
 def _seconds(op: Operation) -> timedelta:

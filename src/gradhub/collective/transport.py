@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import logging
 import os
-import weakref
 
 import torch.distributed as dist
 
 from gradhub.collective import shm
 from gradhub.collective.group import CollectiveGroup, Operation
 from gradhub.collective.hosts import HostLayout, exchange, host_identity
+from gradhub.collective.shm_memory import supported as shm_supported
 
 _log = logging.getLogger("gradhub.collective")
 
@@ -56,33 +56,29 @@ class _Choice:
         self.shared = shared
 
 
-_CHOICES: weakref.WeakKeyDictionary[CollectiveGroup, _Choice] = weakref.WeakKeyDictionary()
-"""Per group wrapper (weak: a wrapper dropped without close() cannot lend its
-choice to a later object at the same address)."""
-
-
 def select(group: CollectiveGroup, op: Operation) -> tuple[str, shm.ShmTransport | None]:
     """The group's transport name and, for ``"shm"``, its shared-memory transport.
 
     Collective the first time it is called on a group (inside an operation
     that every rank runs); cached afterwards.
     """
-    choice = _CHOICES.get(group)
+    choice: _Choice | None = group.transport_choice
     if choice is None:
         choice = _decide(group, op)
-        _CHOICES[group] = choice
+        group.transport_choice = choice
         group.on_close(lambda: _release(group))
     return choice.name, choice.shared
 
 
 def chosen(group: CollectiveGroup) -> str | None:
     """The group's transport name once it has been chosen, else ``None``."""
-    choice = _CHOICES.get(group)
+    choice: _Choice | None = group.transport_choice
     return None if choice is None else choice.name
 
 
 def _release(group: CollectiveGroup) -> None:
-    choice = _CHOICES.pop(group, None)
+    choice: _Choice | None = group.transport_choice
+    group.transport_choice = None
     if choice is not None and choice.shared is not None:
         choice.shared.close()
 
@@ -112,7 +108,7 @@ def _decide(group: CollectiveGroup, op: Operation) -> _Choice:
     layout = HostLayout.of([v.split("|", 1)[1] for v in values], group.rank)
     name = asked
     if asked == "auto":
-        name = "shm" if layout.single_host and shm.supported() else "ring"
+        name = "shm" if layout.single_host and shm_supported() else "ring"
     if name == "shm" and not layout.single_host:
         raise ValueError(
             f"[rank {group.rank}] transport 'shm' needs every rank on one host; "

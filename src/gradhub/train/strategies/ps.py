@@ -162,7 +162,7 @@ class _PSStrategy(Strategy):
             reports = self._client.stats()
         except GradhubTimeoutError as exc:
             self._client.close(timeout=0)
-            raise GradhubError(
+            raise GradhubTimeoutError(
                 f"parameter server(s) {', '.join(addresses)} unreachable: {exc}\n"
                 "- help: check that they run (`gradhub serve --bind ...`) and the addresses"
             ) from exc

@@ -1,0 +1,126 @@
+"""The bandwidth-optimal ring over gloo point-to-point messages.
+
+Each rank sends (P-1)/P of the bytes to its right-hand neighbour in pipelined
+chunks; the chunk schedule and the fixed summation order come from
+:mod:`gradhub.collective.schedule`, so every rank's result is bit-identical
+run to run. :mod:`gradhub.collective.ring` picks this path (or another) per
+operation; these functions run on the group's worker thread.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from gradhub import codecs
+from gradhub.collective.group import CollectiveGroup, Operation
+from gradhub.collective.schedule import (
+    all_gather_recv_chunk,
+    message_tag,
+    reduce_scatter_recv_chunk,
+    reduce_scatter_send_chunk,
+    sub_ranges,
+)
+
+
+class _Sender:
+    """Numbers this operation's messages to the right-hand neighbour and keeps
+    each buffer alive until its send is done."""
+
+    def __init__(self, group: CollectiveGroup, op: Operation):
+        self.group, self.op = group, op
+        self.peer = (group.rank + 1) % group.world_size
+        self.pending: list[tuple[dist.Work, torch.Tensor]] = []
+        self.count = 0
+
+    def send(self, buffer: torch.Tensor) -> None:
+        tag = message_tag(self.op.sequence, self.count)
+        self.count += 1
+        work = dist.isend(buffer, self.peer, group=self.group.process_group, tag=tag)
+        assert work is not None
+        self.pending.append((work, buffer))
+
+    def finish(self) -> None:
+        for work, _ in self.pending:
+            self.group.wait(self.op, work, self.peer)
+        self.pending.clear()
+
+
+def _post_receives(
+    group: CollectiveGroup,
+    op: Operation,
+    buffer: torch.Tensor,
+    chunks: list[int],
+    ranges: list[tuple[int, int]],
+    pipeline: int,
+) -> list[tuple[int, int, int, dist.Work]]:
+    """Post one receive per message of ``chunks`` (in order) into ``buffer``;
+    returns ``(step, start, length, work)`` in the order they will arrive."""
+    peer = (group.rank - 1) % group.world_size
+    posted: list[tuple[int, int, int, dist.Work]] = []
+    for step, chunk in enumerate(chunks):
+        for s, n in sub_ranges(*ranges[chunk], pipeline):
+            tag = message_tag(op.sequence, len(posted))
+            work = dist.irecv(buffer[s : s + n], peer, group=group.process_group, tag=tag)
+            assert work is not None
+            posted.append((step, s, n, work))
+    return posted
+
+
+def ring_reduce_scatter(
+    group: CollectiveGroup,
+    op: Operation,
+    x: torch.Tensor,
+    codec: codecs.Codec,
+    ranges: list[tuple[int, int]],
+    pipeline: int,
+    out: torch.Tensor,
+) -> None:
+    P, r = group.world_size, group.rank
+    left = (r - 1) % P
+    own_start = ranges[r][0]
+    plain = isinstance(codec, codecs.NoCompression)
+    # Each chunk reaches this rank at most once, so one buffer holds every message.
+    inbox = group.scratch("reduce_scatter", x.numel(), codec.wire_dtype)
+    chunks = [reduce_scatter_recv_chunk(r, s, P) for s in range(P - 1)]
+    receives = _post_receives(group, op, inbox, chunks, ranges, pipeline)
+    sender = _Sender(group, op)
+    for s, n in sub_ranges(*ranges[reduce_scatter_send_chunk(r, 0, P)], pipeline):
+        sender.send(x[s : s + n] if plain else codec.encode(x[s : s + n]))
+    for step, s, n, work in receives:
+        group.wait(op, work, left)
+        received, mine = inbox[s : s + n], x[s : s + n]
+        last = step == P - 2
+        if plain:  # fp32 on the wire: add in place and forward the same buffer
+            if last:
+                torch.add(received, mine, out=out[s - own_start : s - own_start + n])
+            else:
+                sender.send(received.add_(mine))
+        else:
+            partial = codec.decode(received).add_(mine)
+            if last:
+                out[s - own_start : s - own_start + n].copy_(partial)
+            else:
+                sender.send(codec.encode(partial))
+    sender.finish()
+
+
+def ring_all_gather(
+    group: CollectiveGroup,
+    op: Operation,
+    wire: torch.Tensor,
+    ranges: list[tuple[int, int]],
+    pipeline: int,
+) -> None:
+    P, r = group.world_size, group.rank
+    left = (r - 1) % P
+    chunks = [all_gather_recv_chunk(r, s, P) for s in range(P - 1)]
+    receives = _post_receives(group, op, wire, chunks, ranges, pipeline)
+    sender = _Sender(group, op)
+    for s, n in sub_ranges(*ranges[r], pipeline):
+        sender.send(wire[s : s + n])
+    for step, s, n, work in receives:
+        group.wait(op, work, left)
+        if step < P - 2:
+            sender.send(wire[s : s + n])
+    sender.finish()

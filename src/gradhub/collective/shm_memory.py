@@ -1,0 +1,118 @@
+"""The kernel pieces of the shared-memory transport: memfd segments, futexes, set-up I/O.
+
+Linux only. A segment is an anonymous ``memfd`` (nothing named, so nothing is
+left behind when a process is killed), mapped shared and viewed as bytes; a
+futex waits on the low 32 bits of a 64-bit counter in a segment, with a timeout.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import mmap
+import os
+import platform
+import socket
+import traceback
+from collections.abc import Callable
+from typing import ParamSpec
+
+import torch
+
+_log = logging.getLogger("gradhub.collective")
+
+_SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def supported() -> bool:
+    """Whether this platform has what the transport needs."""
+    return (
+        _SYS_FUTEX is not None
+        and hasattr(os, "memfd_create")
+        and hasattr(os, "pidfd_open")
+        and hasattr(socket, "send_fds")
+    )
+
+
+def futex_wake(address: int) -> None:
+    """Wake every thread sleeping on the counter at ``address``."""
+    _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAKE, 1 << 30)
+
+
+def futex_wait(address: int, seen: int, seconds: float) -> None:
+    """Sleep while the low 32 bits of the counter at ``address`` still read ``seen``,
+    at most ``seconds`` (a wake, a change or the timeout ends it)."""
+    timeout = _Timespec()
+    timeout.tv_sec, timeout.tv_nsec = int(seconds), int((seconds % 1) * 1e9)
+    _libc.syscall(
+        _SYS_FUTEX,
+        ctypes.c_void_p(address),
+        _FUTEX_WAIT,
+        ctypes.c_uint32(seen & 0xFFFFFFFF),
+        ctypes.byref(timeout),
+    )
+
+
+class Mapping:
+    """One mapped memfd; the descriptor is closed as soon as it is mapped."""
+
+    def __init__(self, fd: int, size: int):
+        try:
+            self.mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        self.size = size
+        self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8) if size else None
+
+    def close(self) -> None:
+        self.bytes = None
+        try:
+            self.mm.close()
+        except BufferError:  # a view is still alive somewhere; the GC unmaps it
+            _log.debug("shared-memory mapping still in use; left to the garbage collector")
+
+
+def new_segment(size: int, name: str) -> int:
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, size)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+_P = ParamSpec("_P")
+
+
+def forgetting_views(fn: Callable[_P, None]) -> Callable[_P, None]:
+    """On an error, clear the locals of the frames it passed through: their views
+    of the segments would keep the mappings (and their descriptors) alive for as
+    long as anyone holds the exception."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> None:
+        try:
+            fn(*args, **kwargs)
+        except BaseException as exc:
+            traceback.clear_frames(exc.__traceback__)
+            raise
+
+    return wrapper
+
+
+def recv_exact(conn: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = conn.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("peer closed the connection during set-up")
+        data += chunk
+    return data
