@@ -25,7 +25,7 @@ check: $(STAMP)
 	$(BIN)/mypy src
 
 test: check
-	$(BIN)/python -m pytest -W error
+	$(BIN)/python -m pytest -W error --durations=15
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/coordinator.py
