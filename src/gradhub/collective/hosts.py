@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -75,8 +75,26 @@ def exchange(
     """
     store.set(f"{key}/{rank}", value)
     keys = [f"{key}/{r}" for r in range(world_size)]
-    try:
-        store.wait(keys, timedelta(seconds=max(timeout, 0.001)))
-    except RuntimeError:  # c10d's timeout (DistStoreError is a RuntimeError)
+    if not wait_for_keys(store, keys, timeout):
         return [], [r for r, k in enumerate(keys) if not store.check([k])]
     return [store.get(k).decode() for k in keys], []
+
+
+def wait_for_keys(store: dist.Store, keys: list[str], timeout: float) -> bool:
+    """Whether every key of ``keys`` is in ``store`` within ``timeout`` seconds.
+
+    Asks with ``check`` (which returns at once) and sleeps between the asks,
+    1 ms growing to 20 ms, instead of one blocking ``wait``: a store client
+    holds its connection for the whole of a ``wait``, so two groups setting up
+    at once on one client (a group and its sibling on the default store) would
+    each block the ``set`` the other's peers wait for. Used only at set-up.
+    """
+    deadline = time.monotonic() + max(timeout, 0.0)
+    pause = 0.001
+    while not store.check(keys):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(pause, left))
+        pause = min(2 * pause, 0.02)
+    return True

@@ -60,12 +60,12 @@ import select
 import socket
 import struct
 from collections.abc import Sequence
-from datetime import timedelta
 
 import torch
 
 from gradhub import codecs
 from gradhub.collective.group import CollectiveGroup, Operation
+from gradhub.collective.hosts import wait_for_keys
 from gradhub.collective.schedule import reduction_order
 from gradhub.collective.shm_memory import (
     Mapping,
@@ -177,10 +177,8 @@ class ShmTransport:
                 listener.close()
         else:
             leader = self.ranks[0]
-            try:
-                store.wait([f"{key}/socket"], _seconds(op))
-            except RuntimeError:
-                raise self._setup_timeout(op, [leader]) from None
+            if not wait_for_keys(store, [f"{key}/socket"], op.remaining()):
+                raise self._setup_timeout(op, [leader])
             address = "\0" + store.get(f"{key}/socket").decode()
             conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
             self._peers[0] = conn
@@ -440,7 +438,3 @@ class ShmTransport:
         for fd in self._pidfds.values():
             os.close(fd)
         self._pidfds.clear()
-
-
-def _seconds(op: Operation) -> timedelta:
-    return timedelta(seconds=max(op.remaining(), 0.001))
