@@ -31,6 +31,7 @@ Decisions:
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -45,7 +46,9 @@ OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 Hyperparameters = dict[str, Any]
 
 
+@functools.cache
 def _torch_optimizers() -> dict[str, type[torch.optim.Optimizer]]:
+    """``torch.optim``'s optimizer classes by name (read once; callers do not modify it)."""
     found: dict[str, type[torch.optim.Optimizer]] = {}
     for name in dir(torch.optim):
         cls = getattr(torch.optim, name)
