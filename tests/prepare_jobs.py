@@ -90,7 +90,9 @@ def params(model: nn.Module) -> list[np.ndarray]:
     return [p.detach().cpu().numpy().copy() for p in model.parameters()]
 
 
-def single_process(kind: str, optimizer: str, world: int) -> list[np.ndarray]:
+def single_process_run(
+    kind: str, optimizer: str, world: int
+) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The reference: one process on the concatenated batches, same schedule."""
     model = MODELS[kind]()
     opt = make_optimizer(optimizer, model)
@@ -103,7 +105,11 @@ def single_process(kind: str, optimizer: str, world: int) -> list[np.ndarray]:
         single=True,
         clip=lambda: nn.utils.clip_grad_norm_(model.parameters(), 0.5),
     )
-    return params(model)
+    return model, opt
+
+
+def single_process(kind: str, optimizer: str, world: int) -> list[np.ndarray]:
+    return params(single_process_run(kind, optimizer, world)[0])
 
 
 def own_loop(rank: int, world: int, cases: list[tuple[str, str, str, dict[str, Any]]]) -> Any:
@@ -133,6 +139,8 @@ def own_loop(rank: int, world: int, cases: list[tuple[str, str, str, dict[str, A
                 gradhub.check_in_sync(model)  # every rank holds the same bits
                 suffix = f"/{options['compress']}" if "compress" in options else ""
                 out[f"{strategy}/{kind}{suffix}"] = params(model.module)
+                if strategy.startswith("ps-"):
+                    out[f"{strategy}/state"] = _state_round_trip(opt)
             if strategy in ("allreduce", "sharded") and f"ddp/{kind}" not in out:
                 ref = MODELS[kind]()
                 ddp = nn.parallel.DistributedDataParallel(ref)
@@ -150,6 +158,20 @@ def own_loop(rank: int, world: int, cases: list[tuple[str, str, str, dict[str, A
     finally:
         runtime.close()
     return out
+
+
+def _state_round_trip(opt: torch.optim.Optimizer) -> bytes:
+    """The servers' state as a state dict; then another one sent and read back."""
+    state = opt.state_dict()  # collective: every rank calls it
+    changed = {
+        "state": {
+            i: {k: v if k == "step" else v * 0.5 for k, v in entry.items()}
+            for i, entry in state["state"].items()
+        },
+        "param_groups": [{**g, "lr": g["lr"] * 0.5} for g in state["param_groups"]],
+    }
+    opt.load_state_dict(changed)  # rank 0 sends it to the servers
+    return to_bytes((state, changed, opt.state_dict()))
 
 
 def to_bytes(value: Any) -> bytes:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from gradhub import LocalParameterServer, RemoteParameterServer, ServerConfig, start_server
-from gradhub.errors import OptimizerMismatchError
+from gradhub.errors import OptimizerMismatchError, ShapeMismatchError
 from gradhub.optim import OptimizerSpec
 from gradhub.ps.launch import ServerHandle
 
@@ -34,6 +34,24 @@ def _reference(spec: OptimizerSpec, start: torch.Tensor, grads: list[torch.Tenso
         value.grad = g.clone()
         opt.step()
     return value.detach()
+
+
+def _reference_state(
+    spec: OptimizerSpec, start: torch.Tensor, grads: list[torch.Tensor]
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The reference's value and its optimizer's state for that value."""
+    value = start.clone().requires_grad_(True)
+    opt = spec.build([value])
+    for g in grads:
+        value.grad = g.clone()
+        opt.step()
+    return value.detach(), dict(opt.state[value])
+
+
+def _same_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(want)
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
 
 
 @pytest.fixture
@@ -62,6 +80,29 @@ def test_local_key_takes_the_init_spec_and_a_fixed_server_refuses_another() -> N
         assert fixed.keys() == ["same"]  # nothing stored for the refused init
 
 
+def test_local_optimizer_state_reads_and_sets_the_single_process_state() -> None:
+    start, grads = torch.ones(5), _grads(4)
+    value, state = _reference_state(ADAM, start, grads[:3])
+    with LocalParameterServer() as ps:
+        ps.init("w", start, optimizer=ADAM)
+        assert ps.optimizer_state("w", start) == {}  # before the first update
+        for g in grads[:3]:
+            ps.push("w", g)  # queued: the state is read after them
+        _same_state(ps.optimizer_state("w", start), state)
+        ps.init("copy", value, optimizer=ADAM)
+        ps.set_optimizer_state("copy", state, value)
+        ps.push("copy", grads[3])
+        out = torch.empty(5)
+        ps.pull("copy", out).result(10)
+        with pytest.raises(ShapeMismatchError, match=r"'exp_avg'.*\[5\].*\[4\]"):
+            ps.set_optimizer_state("copy", {**state, "exp_avg": torch.zeros(4)})
+        ps.init("plain", start)
+        with pytest.raises(ValueError, match="no optimizer"):
+            ps.optimizer_state("plain")
+    # The server continued from the copied state as the single process does.
+    assert torch.equal(out, _reference(ADAM, start, grads))
+
+
 @pytest.mark.slow
 def test_remote_key_takes_the_init_spec_on_every_slice() -> None:
     start = torch.randn(64, 33, generator=torch.Generator().manual_seed(1))
@@ -72,13 +113,22 @@ def test_remote_key_takes_the_init_spec_on_every_slice() -> None:
         RemoteParameterServer([a.address, b.address], worker_id=1, slice_bytes=1024) as ps,
     ):
         ps.init("big", start, optimizer=ADAM)  # 8 KB: one slice per server
-        for g in grads:
+        for g in grads[:2]:
             ps.push("big", g).result(10)
-        out = torch.empty_like(start)
+        # The slices' states put together: the single-process optimizer's state.
+        value, state = _reference_state(ADAM, start, grads[:2])
+        _same_state(ps.optimizer_state("big", start), state)
+        ps.init("copy", value, optimizer=ADAM)
+        ps.set_optimizer_state("copy", state, value)  # each slice takes its part
+        ps.push("copy", grads[2]).result(10)
+        ps.push("big", grads[2]).result(10)
+        out, copied = torch.empty_like(start), torch.empty_like(start)
         ps.pull("big", out).result(10)
-        assert sum(s["keys"] for s in ps.stats()) == 2
+        ps.pull("copy", copied).result(10)
+        assert sum(s["keys"] for s in ps.stats()) == 4
     # Adam is elementwise: every slice runs the same float operations as the whole.
     assert torch.equal(out, _reference(ADAM, start, grads))
+    assert torch.equal(copied, out)
 
 
 @pytest.mark.slow

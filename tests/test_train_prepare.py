@@ -24,6 +24,7 @@ from prepare_jobs import (
     sharded_resume,
     sharded_save,
     single_process,
+    single_process_run,
     train,
     two_groups,
     uneven_reference,
@@ -75,6 +76,35 @@ def test_own_loop_matches_ddp_and_single_process(sync_server: ServerHandle) -> N
     torch.testing.assert_close(
         results[0].value["sharded/mlp"][0], results[1].value["sharded/mlp"][0]
     )
+    _check_ps_optimizer_state(results[0].value)
+
+
+def _check_ps_optimizer_state(out: dict[str, Any]) -> None:
+    """The ps-sync job's optimizer state dict is the single-process Adam's."""
+    state, changed, read_back = from_bytes(out["ps-sync/state"])
+    ref, ref_opt = single_process_run("mlp", "adam", 2)
+    want = ref_opt.state_dict()
+    assert sorted(state["state"]) == sorted(want["state"])
+    for i, entry in want["state"].items():
+        for key, value in entry.items():
+            # Moments summed on the servers from two halves: float32 rounding only.
+            torch.testing.assert_close(state["state"][i][key], value, rtol=0, atol=1e-5)
+    assert [g["lr"] for g in state["param_groups"]] == [g["lr"] for g in want["param_groups"]]
+    # load_state_dict sent another state to the servers: it is what they now hold.
+    for i, entry in changed["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(read_back["state"][i][key], value), (i, key)
+    assert read_back["param_groups"] == changed["param_groups"]
+    # A plain single-process Adam takes it and trains on equal to the reference.
+    plain = mlp()
+    with torch.no_grad():
+        for p, value in zip(plain.parameters(), out["ps-sync/mlp"], strict=True):
+            p.copy_(torch.from_numpy(value))
+    plain_opt = torch.optim.Adam(plain.parameters(), lr=0.01)
+    plain_opt.load_state_dict(state)
+    plain_steps(plain, plain_opt, 0, 1, range(5, 7))
+    plain_steps(ref, ref_opt, 0, 1, range(5, 7))
+    _same(params(plain), params(ref), atol=1e-5)
 
 
 def test_sharded_state_dict_loads_into_a_plain_optimizer_and_a_3_rank_job() -> None:

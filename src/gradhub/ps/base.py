@@ -23,6 +23,14 @@ Semantics follow MXNet's KVStore, which DJL's ``ParameterServer`` wraps:
 - Per key, one client's operations keep their order: a pull sees that
   client's earlier pushes applied. Among queued operations, the higher
   ``priority`` runs first; equal priorities run first in, first out.
+- ``optimizer_state(key, like)`` / ``set_optimizer_state(key, state, like)``:
+  read or replace the state of the key's server-side optimizer, in the format
+  ``torch.optim`` keeps for one parameter (Adam: ``step``, ``exp_avg``,
+  ``exp_avg_sq``, tensors shaped like the value), so a server's state and a
+  single-process optimizer's state are interchangeable. ``like`` is a tensor
+  of the key's shape and dtype (it fixes the layout of a sliced key, as the
+  weights of a ``pull`` do). Both run after this client's operations queued
+  before them on the key and block until done.
 - ``close()``: idempotent; any later call raises ``ClosedError``.
 
 A single tensor is accepted wherever a list of replicas is, and NumPy arrays
@@ -119,6 +127,14 @@ class ParameterServer(abc.ABC):
     @abc.abstractmethod
     def pull(self, key: str, weights: Replicas, *, priority: int = 0) -> Future[None]:
         """Copy the value of ``key`` into every tensor of ``weights``."""
+
+    @abc.abstractmethod
+    def optimizer_state(self, key: str, like: torch.Tensor) -> dict[str, Any]:
+        """A copy of the state of ``key``'s server-side optimizer (``{}`` before its first step)."""
+
+    @abc.abstractmethod
+    def set_optimizer_state(self, key: str, state: Mapping[str, Any], like: torch.Tensor) -> None:
+        """Replace the state of ``key``'s server-side optimizer by ``state``."""
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -21,7 +21,7 @@ from gradhub.errors import AuthenticationError, ClosedError, GradhubError
 from gradhub.ps.lanes import PriorityLanes
 from gradhub.ps.protocol import Message, Op
 
-MUTATING = (Op.PUSH, Op.INIT)
+MUTATING = (Op.PUSH, Op.INIT, Op.SET_STATE)
 """Requests with a sequence number, applied exactly once and retained until durable."""
 
 

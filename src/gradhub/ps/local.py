@@ -124,6 +124,45 @@ class LocalParameterServer(ParameterServer):
         self._check(key, targets[0])
         return self._submit(key, priority, lambda: self._store.copy_into(key, targets))
 
+    def optimizer_state(
+        self, key: str, like: torch.Tensor | None = None, *, timeout: float = 60.0
+    ) -> dict[str, Any]:
+        """The state of ``key``'s optimizer once the operations queued before are done."""
+        box: list[dict[str, Any]] = []
+        self._run_in_order(key, like, lambda: box.append(self._store.optimizer_state(key)), timeout)
+        return box[0]
+
+    def set_optimizer_state(
+        self,
+        key: str,
+        state: Mapping[str, Any],
+        like: torch.Tensor | None = None,
+        *,
+        timeout: float = 60.0,
+    ) -> None:
+        """Replace the state of ``key``'s optimizer, after the operations queued before."""
+        given = dict(state)
+        self._run_in_order(key, like, lambda: self._store.set_optimizer_state(key, given), timeout)
+
+    def _run_in_order(
+        self, key: str, like: torch.Tensor | None, run: Callable[[], None], timeout: float
+    ) -> None:
+        self._check_open()
+        check_key(key)
+        if like is not None:
+            self._check(key, like)
+        else:
+            self._check_known(key)
+        if self._store.optimizer(key) is None:
+            raise ValueError(f"{key!r} has no optimizer on this server, so no optimizer state")
+        future = self._submit(key, 0, run)
+        try:
+            future.result(timeout)
+        except TimeoutError:
+            raise GradhubTimeoutError(
+                f"the local parameter server did not reach {key!r} within {timeout}s"
+            ) from None
+
     def close(self, timeout: float | None = 60.0) -> None:
         """Run what is queued, stop the worker thread; idempotent."""
         with self._cond:
@@ -181,13 +220,17 @@ class LocalParameterServer(ParameterServer):
 
     def _check(self, key: str, given: torch.Tensor) -> torch.Tensor:
         """The stored tensor of ``key`` after checking ``given`` against it."""
+        stored = self._check_known(key)
+        check_like(key, stored, given)
+        return stored
+
+    def _check_known(self, key: str) -> torch.Tensor:
         with self._cond:
             stored = self._known.get(key)
         if stored is None:
             raise UnknownParameterError(
                 f"unknown parameter key {key!r}; call init({key!r}, ...) first"
             )
-        check_like(key, stored, given)
         return stored
 
     def _submit(self, key: str, priority: int, run: Callable[[], None]) -> Future[None]:

@@ -76,6 +76,8 @@ class Op(enum.IntEnum):
     SHUTDOWN = 7
     FLUSH = 8  # make everything acknowledged to this worker durable
     BYE = 9  # the server is going away (sent by the server, unrequested)
+    STATE = 10  # read a key's optimizer state (gradhub.ps.optim_state)
+    SET_STATE = 11  # replace a key's optimizer state
 
 
 class Status(enum.IntEnum):
@@ -123,6 +125,14 @@ def dtype_code(dtype: torch.dtype) -> int:
             f"dtype {dtype} cannot be sent to a parameter server; use one of "
             f"{', '.join(str(d) for d in _DTYPES.values())}"
         ) from None
+
+
+def dtype_of(code: int) -> torch.dtype:
+    """The dtype of a wire code (``ProtocolError`` for an unknown one)."""
+    try:
+        return _DTYPES[code]
+    except KeyError:
+        raise ProtocolError(f"unknown dtype code {code}") from None
 
 
 @dataclass(slots=True)

@@ -38,11 +38,12 @@ from gradhub.errors import (
     ShapeMismatchError,
 )
 from gradhub.optim import OptimizerSpec
+from gradhub.ps import optim_state
 from gradhub.ps.base import ParameterServer, Replicas, as_replicas, check_key
 from gradhub.ps.channel import Channel
 from gradhub.ps.config import secret_bytes
 from gradhub.ps.link import Request
-from gradhub.ps.placement import DEFAULT_SLICE_BYTES, layout, split
+from gradhub.ps.placement import DEFAULT_SLICE_BYTES, Piece, layout, split
 from gradhub.ps.protocol import Message, Op
 
 __all__ = ["DEFAULT_SLICE_BYTES", "RemoteParameterServer", "check_address"]
@@ -233,6 +234,64 @@ class RemoteParameterServer(ParameterServer):
             for piece in pieces
         ]
         return _all_of(futures)
+
+    def optimizer_state(self, key: str, like: torch.Tensor) -> dict[str, Any]:
+        """The state of ``key``'s optimizer on its server(s), after this client's
+        requests queued before it on the key; blocks up to ``timeout``.
+
+        ``like``: a tensor of the key's shape and dtype (the parameter). The
+        slices of a sliced key are put together (:func:`gradhub.ps.optim_state.join`).
+        """
+        self._check_open()
+        check_key(key)
+        pieces = self._pieces(key, like)
+        parts: list[dict[str, Any]] = [{} for _ in pieces]
+
+        def keeper(i: int) -> Callable[[Message], None]:
+            def keep(msg: Message) -> None:
+                parts[i] = optim_state.unpack(msg.meta_json(), msg.tensor())
+
+            return keep
+
+        futures = [
+            self._submit(Op.STATE, key, piece.key, piece.server, on_reply=keeper(i))
+            for i, piece in enumerate(pieces)
+        ]
+        for f in futures:
+            f.result()
+        return optim_state.join(key, parts, pieces, like)
+
+    def set_optimizer_state(self, key: str, state: Mapping[str, Any], like: torch.Tensor) -> None:
+        """Replace the state of ``key``'s optimizer on its server(s) (each slice
+        gets its part); applied exactly once; blocks until acknowledged."""
+        self._check_open()
+        check_key(key)
+        pieces = self._pieces(key, like)
+        futures = []
+        for piece, part in zip(pieces, optim_state.cut(key, state, pieces, like), strict=True):
+            meta, payload = optim_state.pack(part)
+            futures.append(
+                self._submit(
+                    Op.SET_STATE,
+                    key,
+                    piece.key,
+                    piece.server,
+                    payload=payload,
+                    owned=True,
+                    meta=json.dumps(meta).encode(),
+                )
+            )
+        for f in futures:
+            f.result()
+
+    def _pieces(self, key: str, like: torch.Tensor) -> list[Piece]:
+        return layout(
+            key,
+            like.numel() * like.element_size(),
+            like.numel(),
+            len(self.addresses),
+            self.slice_bytes,
+        )
 
     def stats(self) -> list[dict[str, Any]]:
         """Each server's counters and accounting (blocks up to ``timeout``)."""

@@ -37,6 +37,7 @@ import zmq
 from gradhub.errors import BindError, ProtocolError
 from gradhub.ps import protocol
 from gradhub.ps.config import DEFAULT_OPTIMIZER, ServerConfig
+from gradhub.ps.link import MUTATING
 from gradhub.ps.protocol import Message, Op, Status
 from gradhub.ps.rejects import Rejects
 from gradhub.ps.service import Service
@@ -44,7 +45,7 @@ from gradhub.ps.store import describe
 
 log = logging.getLogger(__name__)
 
-_DATA_OPS = (Op.INIT, Op.PUSH, Op.PULL)
+_DATA_OPS = (Op.INIT, Op.PUSH, Op.PULL, Op.STATE, Op.SET_STATE)
 _POLL_MS = 100
 
 
@@ -212,15 +213,16 @@ class Server(Service):
         payload: torch.Tensor | bytes | None = None,
         *,
         aux: int = 0,
+        meta: bytes = b"",
     ) -> None:
         if self._replaying:
             return
         header = protocol.reply(msg.header, incarnation=self.incarnation, status=status, aux=aux)
         frames = [
             *msg.routing,
-            *protocol.encode(header, msg.key, payload, secret=self.config.secret),
+            *protocol.encode(header, msg.key, payload, meta=meta, secret=self.config.secret),
         ]
-        if self.persist.durable and status == Status.OK and header.op in (Op.INIT, Op.PUSH):
+        if self.persist.durable and status == Status.OK and header.op in MUTATING:
             self._held.append(frames)  # sent by _commit, once the log is synced
         else:
             self._send(frames)

@@ -27,10 +27,15 @@ Decisions:
   :mod:`gradhub.ps.waits`); a sync or ssp pull that waits too long is answered
   with an error naming the workers it waits for.
 - A push holding NaN or infinity is refused (``NonFiniteError``), nothing changed.
+- A key's optimizer state is read (``STATE``) and replaced (``SET_STATE``) in
+  the key's lane, so it reflects that client's earlier pushes (a sync push
+  once its round is applied); ``SET_STATE`` is applied exactly once and
+  logged, as a push. Wire format: :mod:`gradhub.ps.optim_state`.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from typing import Any
@@ -40,7 +45,7 @@ import torch
 from gradhub import codecs
 from gradhub.errors import GradhubTimeoutError, NonFiniteError, UnknownParameterError
 from gradhub.optim import OptimizerSpec
-from gradhub.ps import status
+from gradhub.ps import optim_state, status
 from gradhub.ps.base import check_like
 from gradhub.ps.config import DEFAULT_OPTIMIZER, NO_OPTIMIZER, ServerConfig
 from gradhub.ps.consistency import Consistency
@@ -113,6 +118,7 @@ class Service:
         payload: torch.Tensor | bytes | None = None,
         *,
         aux: int = 0,
+        meta: bytes = b"",
     ) -> None:
         raise NotImplementedError
 
@@ -184,6 +190,10 @@ class Service:
                 self._init(msg)
             elif op == Op.PUSH:
                 self._push(msg)
+            elif op == Op.STATE:
+                self._state(msg)
+            elif op == Op.SET_STATE:
+                self._set_state(msg)
             else:
                 self._pull(msg)
         except Exception as exc:
@@ -195,7 +205,7 @@ class Service:
         code = status.status_of(exc)
         if code == Status.INTERNAL:
             log.error("%s of key %r failed", op.name, msg.key, exc_info=exc)
-        if op != Op.PULL:  # settled: the durable watermark passes it
+        if op not in (Op.PULL, Op.STATE):  # settled: the durable watermark passes it
             h = msg.header
             self.ledger.mark(h.worker_id, h.session, h.seq, refused=True)
             self.persist.log(msg, refused=True)
@@ -250,6 +260,22 @@ class Service:
         self.counters["push_applied"] += 1
         self._reply(msg, aux=self._durable_low(h.worker_id, h.session))
         self._wake(msg.key)
+
+    def _state(self, msg: Message) -> None:
+        """Answer with the key's optimizer state (after the pushes queued before it)."""
+        meta, payload = optim_state.pack(self.store.optimizer_state(msg.key))
+        self._reply(msg, payload=payload, meta=json.dumps(meta).encode())
+
+    def _set_state(self, msg: Message) -> None:
+        """Replace the key's optimizer state; exactly once, logged like a push."""
+        h = msg.header
+        if not self.ledger.applied(h.worker_id, h.session, h.seq):
+            state = optim_state.unpack(msg.meta_json(), msg.tensor())
+            self.store.set_optimizer_state(msg.key, state)
+            self.persist.log(msg)
+            self.ledger.mark(h.worker_id, h.session, h.seq)
+            self._dirty = True
+        self._reply(msg, aux=self._durable_low(h.worker_id, h.session))
 
     def _apply(self, key: str, grad: torch.Tensor) -> None:
         self.store.apply(key, grad)

@@ -22,6 +22,12 @@ Decisions:
   given hyperparameters (a worker's LR schedule) are set on the key's param
   group first, the value's ``.grad`` is set to ``grad``, ``step()`` runs,
   ``.grad`` is cleared again.
+- ``optimizer_state(key)`` / ``set_optimizer_state(key, state)``: the state
+  ``torch.optim`` keeps for the key's value (Adam's ``step``, ``exp_avg``,
+  ``exp_avg_sq``), as a single-process optimizer keeps it for one parameter;
+  copies both ways. Setting goes through the optimizer's own
+  ``load_state_dict`` (tensors cast to the value's dtype as it does); a tensor
+  entry shaped unlike the value is a ``ShapeMismatchError``, nothing changed.
 - ``state_dict()`` holds copies of the values, each key's optimizer spec and
   optimizer state;
   ``load_state_dict()`` checks everything before changing anything.
@@ -36,7 +42,12 @@ from typing import Any
 
 import torch
 
-from gradhub.errors import DuplicateParameterError, OptimizerMismatchError, UnknownParameterError
+from gradhub.errors import (
+    DuplicateParameterError,
+    OptimizerMismatchError,
+    ShapeMismatchError,
+    UnknownParameterError,
+)
 from gradhub.optim import OptimizerFactory, OptimizerSpec
 from gradhub.ps.base import check_like
 
@@ -223,6 +234,42 @@ class ParameterStore:
                 finally:
                     value.grad = None
         self._steps[key] += 1
+
+    def _optimizer_of(self, key: str) -> torch.optim.Optimizer:
+        optimizer = self.optimizer(key)
+        if optimizer is None:
+            raise ValueError(
+                f"{key!r} has no optimizer on this server (a push replaces its value), "
+                "so it has no optimizer state"
+            )
+        return optimizer
+
+    def optimizer_state(self, key: str) -> dict[str, Any]:
+        """A copy of the state of ``key``'s optimizer (``{}`` before its first update)."""
+        optimizer = self._optimizer_of(key)
+        state = optimizer.state.get(self._values[key], {})
+        return {
+            k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+            for k, v in state.items()
+        }
+
+    def set_optimizer_state(self, key: str, state: Mapping[str, Any]) -> None:
+        """Replace the state of ``key``'s optimizer by a copy of ``state``."""
+        optimizer = self._optimizer_of(key)
+        value = self._values[key]
+        for name, v in state.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape != value.shape:
+                raise ShapeMismatchError(
+                    f"[{key!r}][{name!r}]", list(value.shape), list(v.shape), "shape"
+                )
+        group = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+        copied = {
+            k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+            for k, v in state.items()
+        }
+        optimizer.load_state_dict(
+            {"state": {0: copied} if copied else {}, "param_groups": [{**group, "params": [0]}]}
+        )
 
     def copy_into(self, key: str, targets: Sequence[torch.Tensor]) -> None:
         """Copy the value of ``key`` into every tensor of ``targets`` in place."""

@@ -11,9 +11,9 @@ parameters (``allreduce``: the script's optimizer steps on every rank;
   the next step under every strategy.
 - ``state_dict()`` is the full optimizer state in the single-process
   optimizer's own format (under ``sharded`` assembled from every rank's
-  slice: call it on every rank), loadable by a plain optimizer or a job of
-  any world size; ``load_state_dict()`` takes such a dict. Under ``ps-*`` the
-  state lives on the servers and the dict holds the hyperparameters only.
+  slice; under ``ps-*`` fetched from the servers, where it lives; call it on
+  every rank), loadable by a plain optimizer or a job of any world size;
+  ``load_state_dict()`` takes such a dict (a collective as well).
 - ``zero_grad()`` clears the model's gradients, as the original's would.
 - Parameter groups are fixed at ``prepare``: ``add_param_group`` is an error.
 """

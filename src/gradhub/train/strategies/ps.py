@@ -38,8 +38,14 @@ Decisions:
 - Hyperparameters are live: a numeric hyperparameter of a group that changed
   since the last step (an LR scheduler's ``lr``) travels with that step's
   pushes of the group's keys and is set on the servers before they apply them.
-- The script's optimizer is never stepped locally and its state dict holds no
-  state: the optimizer state lives on the servers, which checkpoint it.
+- The script's optimizer is never stepped locally: the optimizer state lives
+  on the servers, which checkpoint it. The prepared optimizer's
+  ``state_dict()`` fetches it from them (every parameter's state, in the
+  single-process optimizer's format: a plain optimizer or a job of any world
+  size and strategy loads it), and ``load_state_dict()`` sends a state dict's
+  per-parameter state to them (rank 0) and its hyperparameters into the
+  script's groups. Under ``ps-async``/``ps-ssp`` the dict is a snapshot: the
+  pushes the servers applied when each key was read.
 - ``clip_grad_norm_`` under ``ps-sync`` sums the weighted gradients over the
   workers (one all-reduce), clips the sum by its norm and has every worker
   push ``1 / world_size`` of it, so the servers apply the clipped global
@@ -53,6 +59,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
@@ -174,28 +181,36 @@ class _PSStrategy(Strategy):
                 f"but they run in mode(s) {', '.join(sorted(map(str, modes)))}\n"
                 f"- help: start them with --mode {self.mode} (gradhub run: --ps-mode {self.mode})"
             )
+
+        def init_keys() -> None:
+            for name, p, g in self._keys:
+                one = None if spec is None else OptimizerSpec(spec.name, (spec.groups[g],))
+                # A key restored or kept by the servers keeps their value.
+                with contextlib.suppress(DuplicateParameterError):
+                    self._client.init(name, p.detach(), optimizer=one)
+
+        try:
+            self._on_rank0(init_keys, "initialise the parameters on the servers")
+        except Exception:
+            self._client.close(timeout=0)
+            raise
+        self.refresh()
+
+    def _on_rank0(self, work: Callable[[], None], what: str) -> None:
+        """Run ``work`` on rank 0; every rank returns once it is done, or raises if it failed."""
+        rt = self.runtime
         failed: Exception | None = None
         if rt.is_main:
             try:
-                for name, p, g in self._keys:
-                    one = None if spec is None else OptimizerSpec(spec.name, (spec.groups[g],))
-                    # A key restored or kept by the servers keeps their value.
-                    with contextlib.suppress(DuplicateParameterError):
-                        self._client.init(name, p.detach(), optimizer=one)
+                work()
             except Exception as exc:
                 failed = exc
         flag = torch.tensor([1.0 if failed is not None else 0.0])
-        rt.all_reduce_sum(flag, where="parameter-server set-up")  # keys are in
+        rt.all_reduce_sum(flag, where=f"parameter servers: {what}")
         if failed is not None:
-            self._client.close(timeout=0)
             raise failed
         if flag.item() > 0:
-            self._client.close(timeout=0)
-            raise GradhubError(
-                f"rank 0 could not initialise the parameters on the servers ({self.name}); "
-                "its error says why"
-            )
-        self.refresh()
+            raise GradhubError(f"rank 0 could not {what} ({self.name}); its error says why")
 
     @staticmethod
     def _numeric(group: dict[str, Any]) -> dict[str, Any]:
@@ -260,6 +275,65 @@ class _PSStrategy(Strategy):
             pushes.append(self._client.push(name, grad, priority=-i, hyperparameters=hyper))
         self._settle(pushes)
         self.refresh()
+
+    # the optimizer state, which lives on the servers -----------------------------
+
+    def _groups(self) -> list[dict[str, Any]]:
+        if self.optimizer is not None:
+            return self.optimizer.param_groups
+        return [{"params": [p for _, p, _ in self._keys]}]  # the servers' own optimizer
+
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        """The servers' optimizer state of every parameter, in the single-process
+        optimizer's format (hyperparameters from the script's live groups)."""
+        key_of = {id(p): name for name, p, _ in self._keys}
+        state: dict[int, dict[str, Any]] = {}
+        groups: list[dict[str, Any]] = []
+        index = 0
+        for live in self._groups():
+            ids = []
+            for p in live["params"]:
+                if id(p) in key_of:
+                    mine = self._client.optimizer_state(key_of[id(p)], p.detach())
+                    if mine:
+                        state[index] = mine
+                ids.append(index)
+                index += 1
+            groups.append({**{k: v for k, v in live.items() if k != "params"}, "params": ids})
+        return {"state": state, "param_groups": groups}
+
+    def load_optimizer_state_dict(self, state: dict[str, Any]) -> None:
+        """Take a single-process optimizer's state dict (or one this method's peer
+        wrote at any world size): hyperparameters into the script's groups (they
+        reach the servers with the next push), per-parameter state onto the
+        servers (sent by rank 0; a collective: call it on every rank)."""
+        live_groups = self._groups()
+        saved_groups = state["param_groups"]
+        if len(saved_groups) != len(live_groups) or any(
+            len(s["params"]) != len(g["params"])
+            for s, g in zip(saved_groups, live_groups, strict=True)
+        ):
+            raise ValueError(
+                "the optimizer state dict does not match this optimizer's parameter groups "
+                f"({[len(s['params']) for s in saved_groups]} vs "
+                f"{[len(g['params']) for g in live_groups]})"
+            )
+        key_of = {id(p): name for name, p, _ in self._keys}
+        per_key: list[tuple[str, torch.Tensor, dict[str, Any]]] = []
+        for saved, live in zip(saved_groups, live_groups, strict=True):
+            for i, p in zip(saved["params"], live["params"], strict=True):
+                if id(p) in key_of:
+                    mine = state["state"].get(i, state["state"].get(str(i), {}))
+                    per_key.append((key_of[id(p)], p.detach(), mine))
+
+        def send() -> None:
+            for name, like, mine in per_key:
+                self._client.set_optimizer_state(name, mine, like)
+
+        self._on_rank0(send, "set the optimizer state on the servers")
+        if self.optimizer is not None:
+            for saved, live in zip(saved_groups, live_groups, strict=True):
+                live.update({k: v for k, v in saved.items() if k != "params"})
 
     def refresh(self) -> None:
         pulls = [
