@@ -207,8 +207,9 @@ def plain_steps(
         opt.step()
 
 
-def sharded_save(rank: int, world: int) -> Any:
-    """3 steps of a 2-rank sharded job; returns the model and the full optimizer state."""
+def sharded_save(rank: int, world: int, checkpoints: str) -> Any:
+    """3 steps of a 2-rank sharded job; returns the model and the full optimizer state.
+    Then 1 epoch of ``fit`` (sharded) checkpointed into ``checkpoints``."""
     runtime = gradhub.init(timeout=30)
     try:
         base = mlp()
@@ -217,12 +218,14 @@ def sharded_save(rank: int, world: int) -> Any:
             plain_steps(model, opt, rank, world, range(3))
             state = opt.state_dict()  # collective: every rank calls it
             weights = model.state_dict()
+        fit_sharded(runtime, checkpoints, epochs=1)
         return to_bytes((weights, state))  # tensors do not cross processes by pickling
     finally:
         runtime.close()
 
 
-def sharded_resume(rank: int, world: int, saved: bytes) -> Any:
+def sharded_resume(rank: int, world: int, saved: bytes, checkpoints: str) -> Any:
+    """The saved state continued for 2 steps; and the ``fit`` run resumed for its 2nd epoch."""
     weights, state = from_bytes(saved)
     runtime = gradhub.init(timeout=30)
     try:
@@ -232,9 +235,33 @@ def sharded_resume(rank: int, world: int, saved: bytes) -> Any:
             model.load_state_dict(weights)
             opt.load_state_dict(state)
             plain_steps(model, opt, rank, world, range(3, 5))
-            return params(model.module)
+            own = params(model.module)
+        return own, fit_sharded(runtime, checkpoints, epochs=2)
     finally:
         runtime.close()
+
+
+def fit_sharded(runtime: Any, checkpoints: str | None, epochs: int) -> tuple[int, list[np.ndarray]]:
+    """``fit`` of the MLP with the two-group Adam and a StepLR, 3 steps per epoch;
+    ``(start step, parameters)``. Resumes from ``checkpoints`` when it has one."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(24, 6, generator=g)
+    y = torch.randint(0, 3, (24,), generator=g)
+    model = mlp()
+    strategy = "sharded" if runtime.world_size > 1 else "allreduce"
+    with gradhub.DataParallelTrainer(
+        model, two_groups(model), strategy=strategy, runtime=runtime
+    ) as trainer:
+        result = trainer.fit(
+            (x, y),
+            epochs=epochs,
+            batch_size=8,  # global: 4+4 on 2 ranks, 3+3+2 on 3 (weighted by samples)
+            lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 2, 0.5),
+            checkpoint_dir=checkpoints,
+            resume=checkpoints is not None,
+            progress=False,
+        )
+    return result.start_step, params(model)
 
 
 def misuse_and_uneven(rank: int, world: int, servers: dict[str, str]) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -15,6 +16,7 @@ from gradhub.ps.config import ServerConfig
 from gradhub.ps.launch import ServerHandle, start_server
 from harness import run_ranks
 from prepare_jobs import (
+    fit_sharded,
     from_bytes,
     misuse_and_uneven,
     mlp,
@@ -107,8 +109,11 @@ def _check_ps_optimizer_state(out: dict[str, Any]) -> None:
     _same(params(plain), params(ref), atol=1e-5)
 
 
-def test_sharded_state_dict_loads_into_a_plain_optimizer_and_a_3_rank_job() -> None:
-    saved = run_ranks(sharded_save, 2, timeout=120)
+def test_sharded_state_dict_loads_into_a_plain_optimizer_and_a_3_rank_job(
+    tmp_path: Path,
+) -> None:
+    checkpoints = str(tmp_path / "fit")
+    saved = run_ranks(sharded_save, 2, checkpoints, timeout=120)
     weights, state = from_bytes(saved[0].value)
     # Every rank assembled the same full state dict.
     other = from_bytes(saved[1].value)[1]
@@ -128,9 +133,15 @@ def test_sharded_state_dict_loads_into_a_plain_optimizer_and_a_3_rank_job() -> N
     plain_steps(plain, plain_opt, 0, 1, range(3, 5))
     # Slices and sums are float32 rounding apart from the single process.
     _same([p.detach().numpy() for p in plain.parameters()], want, atol=1e-5)
-    # And a 3-rank job continues from it.
-    for r in run_ranks(sharded_resume, 3, saved[0].value, timeout=150):
-        _same(r.value, want, atol=1e-5)
+    # And a 3-rank job continues from it; its fit resumes the 2-rank fit's checkpoint.
+    with gradhub.init(timeout=10) as runtime:
+        fit_want = fit_sharded(runtime, None, epochs=2)[1]  # one process, both epochs
+    for r in run_ranks(sharded_resume, 3, saved[0].value, checkpoints, timeout=150):
+        own, (start, fitted) = r.value
+        _same(own, want, atol=1e-5)
+        assert start == 3  # the end of epoch 1, written by 2 ranks
+        # Adam's moments and the schedule came through the checkpoint: float32 rounding only.
+        _same(fitted, fit_want, atol=1e-5)
 
 
 @pytest.fixture(scope="module")

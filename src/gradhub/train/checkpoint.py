@@ -1,12 +1,18 @@
 """Checkpoints: atomic per-rank files, and agreement on which step to resume.
 
 Every rank writes its own file ``step-<step>.rank<r>.pt`` (the model, the
-strategy's state: optimizer state or its shard, counters). A file is written
-to a temporary name in the same folder, flushed, fsync'ed and renamed over the
-final name, then the folder is fsync'ed: a reader sees the old file or the new
-one, never half of one. The last ``keep`` steps are kept, so a job killed
-while some ranks had written step s and others had not can still resume from
-the step before, which every rank has.
+full optimizer state in the single-process format, the scheduler, the world
+size of the job). A file is written to a temporary name in the same folder,
+flushed, fsync'ed and renamed over the final name, then the folder is
+fsync'ed: a reader sees the old file or the new one, never half of one. The
+last ``keep`` steps are kept, so a job killed while some ranks had written
+step s and others had not can still resume from the step before, which every
+rank has.
+
+A step is complete when every rank of the job that wrote it (its
+``world_size``) has its file (:meth:`CheckpointDir.latest_complete`). Each
+file holds the whole state, so a job of another world size resumes from it:
+rank ``r`` reads the file of rank ``r % world_size``.
 """
 
 from __future__ import annotations
@@ -39,19 +45,36 @@ class CheckpointDir:
         if self.keep < 2:
             raise ValueError(f"keep must be >= 2 so a torn save can fall back, got {self.keep}")
 
-    def file(self, step: int) -> Path:
-        return self.path / f"step-{step:08d}.rank{self.rank}.pt"
+    def file(self, step: int, rank: int | None = None) -> Path:
+        """The file of ``step`` written by ``rank`` (default: this rank)."""
+        return self.path / f"step-{step:08d}.rank{self.rank if rank is None else rank}.pt"
+
+    def ranks_by_step(self) -> dict[int, set[int]]:
+        """Every file in the folder: step -> the ranks that wrote it."""
+        found: dict[int, set[int]] = {}
+        if self.path.is_dir():
+            for entry in self.path.iterdir():
+                m = _NAME.match(entry.name)
+                if m:
+                    found.setdefault(int(m.group(1)), set()).add(int(m.group(2)))
+        return found
 
     def steps(self) -> list[int]:
         """Steps this rank has a complete checkpoint of, ascending."""
-        if not self.path.is_dir():
-            return []
-        found = []
-        for entry in self.path.iterdir():
-            m = _NAME.match(entry.name)
-            if m and int(m.group(2)) == self.rank:
-                found.append(int(m.group(1)))
-        return sorted(found)
+        return sorted(s for s, ranks in self.ranks_by_step().items() if self.rank in ranks)
+
+    def latest_complete(self) -> tuple[int, int] | None:
+        """``(step, world_size)`` of the latest step that every rank of the job
+        that wrote it has a file of; ``None`` if there is none."""
+        by_step = self.ranks_by_step()
+        for step in sorted(by_step, reverse=True):
+            ranks = by_step[step]
+            if 0 not in ranks:
+                continue
+            world = int(self.load(step, rank=0).get("world_size", max(ranks) + 1))
+            if ranks >= set(range(world)):
+                return step, world
+        return None
 
     def save(self, step: int, state: dict[str, Any]) -> Path:
         target = self.file(step)
@@ -60,14 +83,9 @@ class CheckpointDir:
             self.file(old).unlink(missing_ok=True)
         return target
 
-    def load(self, step: int) -> dict[str, Any]:
-        state: dict[str, Any] = torch.load(self.file(step), map_location="cpu", weights_only=False)
+    def load(self, step: int, rank: int | None = None) -> dict[str, Any]:
+        """The state in the file of ``step`` written by ``rank`` (default: this rank)."""
+        state: dict[str, Any] = torch.load(
+            self.file(step, rank), map_location="cpu", weights_only=False
+        )
         return state
-
-
-def common_step(steps_per_rank: list[list[int]]) -> int | None:
-    """The latest step that every rank has a checkpoint of, or ``None``."""
-    common = set(steps_per_rank[0]) if steps_per_rank else set()
-    for steps in steps_per_rank[1:]:
-        common &= set(steps)
-    return max(common) if common else None

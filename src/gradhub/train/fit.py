@@ -29,6 +29,11 @@ Batches and outputs (decisions):
   (then the metrics continue the same files): a new run goes in a new folder.
 - A resumed job that had already finished returns the metrics of its last
   epoch (stored in the checkpoint), not NaN.
+- ``resume=True`` continues from the latest checkpoint that every rank of the
+  job that wrote it finished, also at another world size (a 2-rank job's
+  checkpoint resumed by 3 ranks): each file holds the model and the full
+  optimizer state, and ``batch_size`` is global, so the remaining steps see
+  the same global batches.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from gradhub.train.checkpoint import CheckpointDir, common_step
+from gradhub.train.checkpoint import CheckpointDir
 from gradhub.train.data import Source, Step, to_device
 from gradhub.train.logs import rank_logger
 from gradhub.train.metrics import MetricsWriter, metrics_file
@@ -188,24 +193,29 @@ class FitRun:
     def resume(self) -> tuple[int, dict[str, Any]]:
         if not (self.cfg.resume and self.ckpt is not None):
             return 0, {}
-        mine = self.ckpt.steps()
-        everyone: list[list[int]] = [[] for _ in range(self.rt.world_size)]
+        found: list[tuple[int, int] | None] = [None]
+        if self.rt.is_main:  # one reader decides; the folder is shared by the ranks
+            found[0] = self.ckpt.latest_complete()
         if self.rt.world_size > 1:
-            dist.all_gather_object(everyone, mine)
-        else:
-            everyone = [mine]
-        step = common_step(everyone)
-        if step is None:
-            self.log.info("no checkpoint that every rank has in %s: starting fresh", self.ckpt.path)
+            dist.broadcast_object_list(found, src=0)
+        if found[0] is None:
+            self.log.info("no complete checkpoint in %s: starting fresh", self.ckpt.path)
             return 0, {}
-        state = self.ckpt.load(step)
+        step, written_by = found[0]
+        # Every file holds the whole state: another world size reads the files it has.
+        state = self.ckpt.load(step, rank=self.rt.rank % written_by)
         self.model.load_state_dict(state["model"])
         if "optimizer" in state:
             self.opt.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self.strategy.steps = step
-        self.log.info("resumed from step %d (%s)", step, self.ckpt.file(step))
+        self.log.info(
+            "resumed from step %d (%s, written by %d rank(s))",
+            step,
+            self.ckpt.file(step, self.rt.rank % written_by),
+            written_by,
+        )
         return step, dict(state.get("last") or {})
 
     def save(self, step: int, last: dict[str, Any]) -> None:
