@@ -271,6 +271,7 @@ def misuse_and_uneven(rank: int, world: int, servers: dict[str, str]) -> dict[st
         return {
             "misuse": {s: _misuse(rank, runtime, s) for s in ("allreduce", "sharded")},
             "uneven": _uneven(rank, runtime, servers),
+            "clip ps-async": _clip_per_worker(rank, runtime, servers["ps-async"]),
         }
     finally:
         runtime.close()
@@ -296,6 +297,29 @@ def _uneven(rank: int, runtime: Any, servers: dict[str, str]) -> dict[str, list[
                 opt.step()
             out[strategy] = params(model.module)
     return out
+
+
+def _grad_norm(model: nn.Module) -> float:
+    return float(
+        torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    )
+
+
+def _clip_per_worker(rank: int, runtime: Any, server: str) -> dict[str, float]:
+    """Under ps-async each worker clips its own gradient by its own norm."""
+    base = mlp()
+    model, opt = gradhub.prepare(
+        base, make_optimizer("sgd", base), strategy="ps-async", runtime=runtime, servers=[server]
+    )
+    with model:
+        x, y = batch("mlp", 0, 0, rank, n=3 + 3 * rank)  # different data, different norms
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        own = _grad_norm(model.module)
+        norm = float(gradhub.clip_grad_norm_(model, 0.05))
+        after = _grad_norm(model.module)
+        opt.step()
+    return {"own": own, "norm": norm, "after": after}
 
 
 def uneven_reference() -> list[np.ndarray]:

@@ -146,8 +146,12 @@ def test_sharded_state_dict_loads_into_a_plain_optimizer_and_a_3_rank_job(
 
 @pytest.fixture(scope="module")
 def misuse_and_uneven_results() -> Iterator[list[Any]]:
-    with start_server(ServerConfig(mode="sync", workers=2)) as server:
-        yield run_ranks(misuse_and_uneven, 2, {"ps-sync": server.address}, timeout=180)
+    with (
+        start_server(ServerConfig(mode="sync", workers=2)) as server,
+        start_server(ServerConfig(mode="async", workers=2)) as async_server,
+    ):
+        servers = {"ps-sync": server.address, "ps-async": async_server.address}
+        yield run_ranks(misuse_and_uneven, 2, servers, timeout=180)
 
 
 def test_each_misuse_is_an_error_with_its_message(misuse_and_uneven_results: list[Any]) -> None:
@@ -157,6 +161,15 @@ def test_each_misuse_is_an_error_with_its_message(misuse_and_uneven_results: lis
         assert "no_sync()" in seen["second backward"]
         assert "without a backward() outside no_sync()" in seen["no sync"]
         assert "rank(s) 1 differ from rank 0" in seen["diverged"]
+
+
+def test_clip_under_ps_async_is_per_worker(misuse_and_uneven_results: list[Any]) -> None:
+    seen = [r.value["clip ps-async"] for r in misuse_and_uneven_results]
+    for s in seen:
+        # The norm returned is the worker's own gradient's, and its own is clipped.
+        assert s["norm"] == pytest.approx(s["own"], rel=1e-6)
+        assert s["own"] > 0.05 and s["after"] == pytest.approx(0.05, rel=1e-4)
+    assert seen[0]["norm"] != pytest.approx(seen[1]["norm"], rel=1e-3)  # not one global norm
 
 
 def test_set_samples_weights_uneven_batches_exactly(misuse_and_uneven_results: list[Any]) -> None:

@@ -24,7 +24,11 @@ Batches and outputs (decisions):
   a callable ``optimizer -> scheduler``; stepped after every optimizer step
   (``scheduler_interval="step"``, the default) or after every epoch.
 - ``precision="bf16"``: forward and loss under ``torch.autocast`` in
-  bfloat16 (parameters, gradients and the optimizer stay fp32).
+  bfloat16 (parameters, gradients and the optimizer stay fp32), on CPU and
+  CUDA. ``precision="fp16"`` is refused on every device, with an error that
+  names bf16: fp16 needs dynamic loss scaling, and a step skipped for an
+  overflow on one rank must be skipped on all (a collective per step that
+  bf16, with fp32's range, does without).
 - A run folder that already has metrics is an error unless ``resume=True``
   (then the metrics continue the same files): a new run goes in a new folder.
 - A resumed job that had already finished returns the metrics of its last

@@ -24,8 +24,14 @@ Decisions:
 - ``clip_grad_norm_`` clips by the norm of the combined gradient
   (``allreduce``: the gradients are combined when ``backward`` returns, so
   ``torch.nn.utils.clip_grad_norm_`` works too; ``sharded``: computed from the
-  slices; ``ps-*``: each worker's own contribution, as no global gradient
-  exists under ``ps-async``).
+  slices; ``ps-sync``: the workers' gradients summed once, clipped, pushed
+  in shares). Under ``ps-async`` and ``ps-ssp`` it clips **per worker**: each
+  worker's gradient by its own norm, before its push. The servers apply each
+  push on its own, against whatever the other workers pushed before, so no
+  combined gradient of one step exists to take a norm of, and waiting for
+  the others to agree on one would make the updates synchronous. Every
+  update is still bounded: a push is at most ``max_norm / world_size`` (its
+  share) in norm.
 """
 
 from __future__ import annotations
@@ -91,8 +97,9 @@ def clip_grad_norm_(model: PreparedModel, max_norm: float, norm_type: float = 2.
     """Clip the gradients of a prepared model by their global norm; returns the norm.
 
     Call it between ``backward`` and ``optimizer.step()``, as
-    ``torch.nn.utils.clip_grad_norm_``; right under every strategy (see the
-    module docstring for ``ps-*``).
+    ``torch.nn.utils.clip_grad_norm_``. Under ``ps-async``/``ps-ssp`` the norm
+    is this worker's own gradient's and each worker clips its own (no global
+    gradient exists there; see the module docstring).
     """
     return _strategy_of(model).clip_grad_norm_(float(max_norm), float(norm_type))
 

@@ -77,7 +77,8 @@ class FitConfig:
     scheduler_interval: str = "step"
     """Step the scheduler after every optimizer ``"step"`` or every ``"epoch"``."""
     precision: str = "fp32"
-    """``"fp32"`` or ``"bf16"`` (forward and loss under autocast)."""
+    """``"fp32"`` or ``"bf16"`` (forward and loss under autocast). ``"fp16"`` is
+    refused with an error naming bf16, on every device (see ``__post_init__``)."""
     metrics: Sequence[str | Metric] = ("accuracy",)
     """``"accuracy"`` (reported where it applies) and callables ``fn(output, batch)``."""
 
@@ -86,11 +87,15 @@ class FitConfig:
             raise ValueError(
                 f"scheduler_interval is 'step' or 'epoch', got {self.scheduler_interval!r}"
             )
-        if self.precision not in ("fp32", "bf16"):
+        if self.precision == "fp16":
             raise ValueError(
-                f"precision is 'fp32' or 'bf16', got {self.precision!r}\n- help: fp16 needs "
-                "loss scaling; use bf16"
+                "precision='fp16' is not supported, on CPU or on CUDA: fp16 ends at 65504, "
+                "so it needs dynamic loss scaling, whose skip-the-step decision every rank "
+                "would have to share\n- help: use precision='bf16' (fp32's range, no loss "
+                "scaling; autocast on CPU and on CUDA)"
             )
+        if self.precision not in ("fp32", "bf16"):
+            raise ValueError(f"precision is 'fp32' or 'bf16', got {self.precision!r}")
         for m in self.metrics:
             if isinstance(m, str) and m != "accuracy":
                 raise ValueError(f"unknown metric {m!r}; give 'accuracy' or a callable")
