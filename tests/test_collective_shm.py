@@ -42,8 +42,9 @@ pytestmark = pytest.mark.skipif(not shm.supported(), reason="needs memfd, pidfd 
 
 
 def sizes_for(world_size: int) -> list[int]:
-    # empty, 1, fewer elements than ranks, odd, and several MB (2.5M fp32 = 10 MB).
-    return sorted({0, 1, max(world_size - 1, 0), 7, 1001, 2_500_001})
+    # empty, 1, fewer elements than ranks, odd, and more than a segment's first
+    # capacity (400_003 fp32 = 1.6 MB > 1 MiB), so the segments grow mid-job.
+    return sorted({0, 1, max(world_size - 1, 0), 7, 1001, 400_003})
 
 
 def rank_values(size: int, rank: int) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import re
 from dataclasses import dataclass, field
@@ -13,8 +14,17 @@ from gradhub.ps.protocol import DEFAULT_MAX_PAYLOAD
 from gradhub.ps.store import check_servable
 
 NO_OPTIMIZER = "none"
-DEFAULT_OPTIMIZER = OptimizerSpec.of("sgd", lr=0.01)
-"""The optimizer of a key when neither the server nor the key's ``init`` names one."""
+
+
+@functools.cache
+def default_optimizer() -> OptimizerSpec:
+    """The optimizer of a key when neither the server nor the key's ``init`` names one.
+
+    Built on first use, not at import: making any torch optimizer imports
+    ``torch._dynamo``, seconds of start-up a process that never steps one
+    should not pay.
+    """
+    return OptimizerSpec.of("sgd", lr=0.01)
 
 
 def optimizer_spec(name: str, lr: float | None, momentum: float | None) -> OptimizerSpec:
@@ -188,7 +198,7 @@ class ServerConfig:
             if lr is not None or momentum is not None:
                 raise ValueError(f"lr and momentum go with an optimizer name, not with {name!r}")
         elif name is None and lr is None and momentum is None:
-            pass  # not fixed: the workers' spec, or DEFAULT_OPTIMIZER
+            pass  # not fixed: the workers' spec, or default_optimizer()
         elif name is None or isinstance(name, str):
             self.optimizer = optimizer_spec(name or "sgd", lr, momentum)
         else:

@@ -36,7 +36,7 @@ import zmq
 
 from gradhub.errors import BindError, ProtocolError
 from gradhub.ps import protocol
-from gradhub.ps.config import DEFAULT_OPTIMIZER, ServerConfig
+from gradhub.ps.config import ServerConfig, default_optimizer
 from gradhub.ps.link import MUTATING
 from gradhub.ps.protocol import Message, Op, Status
 from gradhub.ps.rejects import Rejects
@@ -83,7 +83,7 @@ class Server(Service):
             "parameter server on %s: mode=%s optimizer=%s workers=%d%s",
             self.address,
             config.mode,
-            "per init (default " + describe(DEFAULT_OPTIMIZER) + ")"
+            "per init (default " + describe(default_optimizer()) + ")"
             if config.optimizer is None
             else describe(self.store.default_spec),
             config.workers,

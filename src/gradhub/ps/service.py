@@ -47,7 +47,7 @@ from gradhub.errors import GradhubTimeoutError, NonFiniteError, UnknownParameter
 from gradhub.optim import OptimizerSpec
 from gradhub.ps import optim_state, status
 from gradhub.ps.base import check_like
-from gradhub.ps.config import DEFAULT_OPTIMIZER, NO_OPTIMIZER, ServerConfig
+from gradhub.ps.config import NO_OPTIMIZER, ServerConfig, default_optimizer
 from gradhub.ps.consistency import Consistency
 from gradhub.ps.dedupe import Ledger
 from gradhub.ps.lanes import PriorityLanes
@@ -79,9 +79,9 @@ COUNTERS = (
 
 def make_store(config: ServerConfig) -> ParameterStore:
     """The store for ``config.optimizer``: fixed to a spec, fixed to none, or
-    taking the spec each ``init`` brings (``DEFAULT_OPTIMIZER`` without one)."""
+    taking the spec each ``init`` brings (``default_optimizer()`` without one)."""
     if config.optimizer is None:
-        return ParameterStore(DEFAULT_OPTIMIZER, fixed=False)
+        return ParameterStore(default_optimizer(), fixed=False)
     if config.optimizer == NO_OPTIMIZER:
         return ParameterStore(None, fixed=True)
     assert isinstance(config.optimizer, OptimizerSpec)  # ServerConfig normalised it
