@@ -215,9 +215,8 @@ def cycles_job(rank: int, world_size: int, port: int, cycles: int) -> dict[str, 
             try:
                 s, n = partition_ranges(x.numel(), world_size)[rank]
                 out = torch.empty(n)
-                t.reduce_scatter(
-                    op, x, codecs.get("none"), partition_ranges(5000, 2), out, hop=True
-                )
+                owned = [[c] for c in partition_ranges(5000, 2)]
+                t.reduce_scatter(op, x, codecs.get("none"), owned, out, hop=True)
                 assert torch.equal(out, 2 * x[s : s + n])
             finally:
                 t.close()
@@ -280,7 +279,8 @@ def test_two_groups_used_concurrently() -> None:
 # ----------------------------------------------------------------- hosts
 def hosts_job(rank: int, world_size: int, port: int, shm_port: int) -> dict[str, object]:
     torch.set_num_threads(1)
-    os.environ["GRADHUB_HOST_ID"] = f"host-{rank // 2}"  # 2 hosts x 2 ranks
+    # One rank per host (2 x 2 takes the hierarchical path: test_collective_hierarchical.py)
+    os.environ["GRADHUB_HOST_ID"] = f"host-{rank}"
     x = rank_values(100_003, rank)
     with local_group(rank, world_size, port, timeout=60) as group:
         y = x.clone()

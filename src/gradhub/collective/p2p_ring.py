@@ -5,9 +5,16 @@ chunks; the chunk schedule and the fixed summation order come from
 :mod:`gradhub.collective.schedule`, so every rank's result is bit-identical
 run to run. :mod:`gradhub.collective.ring` picks this path (or another) per
 operation; these functions run on the group's worker thread.
+
+``members``: the group ranks that form the ring, in ring order (default:
+every rank, ascending); chunk ``c`` of ``ranges`` is the slice of
+``members[c]``. :mod:`gradhub.collective.hierarchical` runs one ring per
+column of ranks across hosts this way.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -23,13 +30,24 @@ from gradhub.collective.schedule import (
 )
 
 
+class _Ring:
+    """This rank's place in a ring of ``members`` (group ranks, in ring order)."""
+
+    def __init__(self, group: CollectiveGroup, members: Sequence[int] | None):
+        self.members = list(range(group.world_size)) if members is None else list(members)
+        self.size = len(self.members)
+        self.position = self.members.index(group.rank)
+        self.right = self.members[(self.position + 1) % self.size]
+        self.left = self.members[(self.position - 1) % self.size]
+
+
 class _Sender:
     """Numbers this operation's messages to the right-hand neighbour and keeps
     each buffer alive until its send is done."""
 
-    def __init__(self, group: CollectiveGroup, op: Operation):
+    def __init__(self, group: CollectiveGroup, op: Operation, peer: int):
         self.group, self.op = group, op
-        self.peer = (group.rank + 1) % group.world_size
+        self.peer = peer
         self.pending: list[tuple[dist.Work, torch.Tensor]] = []
         self.count = 0
 
@@ -49,14 +67,14 @@ class _Sender:
 def _post_receives(
     group: CollectiveGroup,
     op: Operation,
+    peer: int,
     buffer: torch.Tensor,
     chunks: list[int],
-    ranges: list[tuple[int, int]],
+    ranges: Sequence[tuple[int, int]],
     pipeline: int,
 ) -> list[tuple[int, int, int, dist.Work]]:
-    """Post one receive per message of ``chunks`` (in order) into ``buffer``;
-    returns ``(step, start, length, work)`` in the order they will arrive."""
-    peer = (group.rank - 1) % group.world_size
+    """Post one receive from ``peer`` per message of ``chunks`` (in order) into
+    ``buffer``; returns ``(step, start, length, work)`` in the order they will arrive."""
     posted: list[tuple[int, int, int, dist.Work]] = []
     for step, chunk in enumerate(chunks):
         for s, n in sub_ranges(*ranges[chunk], pipeline):
@@ -72,23 +90,24 @@ def ring_reduce_scatter(
     op: Operation,
     x: torch.Tensor,
     codec: codecs.Codec,
-    ranges: list[tuple[int, int]],
+    ranges: Sequence[tuple[int, int]],
     pipeline: int,
     out: torch.Tensor,
+    members: Sequence[int] | None = None,
 ) -> None:
-    P, r = group.world_size, group.rank
-    left = (r - 1) % P
+    ring = _Ring(group, members)
+    P, r = ring.size, ring.position
     own_start = ranges[r][0]
     plain = isinstance(codec, codecs.NoCompression)
     # Each chunk reaches this rank at most once, so one buffer holds every message.
     inbox = group.scratch("reduce_scatter", x.numel(), codec.wire_dtype)
     chunks = [reduce_scatter_recv_chunk(r, s, P) for s in range(P - 1)]
-    receives = _post_receives(group, op, inbox, chunks, ranges, pipeline)
-    sender = _Sender(group, op)
+    receives = _post_receives(group, op, ring.left, inbox, chunks, ranges, pipeline)
+    sender = _Sender(group, op, ring.right)
     for s, n in sub_ranges(*ranges[reduce_scatter_send_chunk(r, 0, P)], pipeline):
         sender.send(x[s : s + n] if plain else codec.encode(x[s : s + n]))
     for step, s, n, work in receives:
-        group.wait(op, work, left)
+        group.wait(op, work, ring.left)
         received, mine = inbox[s : s + n], x[s : s + n]
         last = step == P - 2
         if plain:  # fp32 on the wire: add in place and forward the same buffer
@@ -109,18 +128,19 @@ def ring_all_gather(
     group: CollectiveGroup,
     op: Operation,
     wire: torch.Tensor,
-    ranges: list[tuple[int, int]],
+    ranges: Sequence[tuple[int, int]],
     pipeline: int,
+    members: Sequence[int] | None = None,
 ) -> None:
-    P, r = group.world_size, group.rank
-    left = (r - 1) % P
+    ring = _Ring(group, members)
+    P, r = ring.size, ring.position
     chunks = [all_gather_recv_chunk(r, s, P) for s in range(P - 1)]
-    receives = _post_receives(group, op, wire, chunks, ranges, pipeline)
-    sender = _Sender(group, op)
+    receives = _post_receives(group, op, ring.left, wire, chunks, ranges, pipeline)
+    sender = _Sender(group, op, ring.right)
     for s, n in sub_ranges(*ranges[r], pipeline):
         sender.send(wire[s : s + n])
     for step, s, n, work in receives:
-        group.wait(op, work, left)
+        group.wait(op, work, ring.left)
         if step < P - 2:
             sender.send(wire[s : s + n])
     sender.finish()

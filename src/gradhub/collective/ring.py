@@ -41,6 +41,11 @@ its summation order is NCCL's (deterministic for a fixed topology), not the
 ring's. With a lossy codec NCCL would add in the wire type, hence the
 ``all_to_all_single`` path above.
 
+The group's transport (:mod:`.transport`) may send the operation through
+shared memory (:mod:`.shm`, one host) or the hierarchical path
+(:mod:`.hierarchical`: shared memory inside each host, the point-to-point
+ring between hosts at every size) instead.
+
 Operations run on the group's worker thread in the order they are called
 (:meth:`CollectiveGroup.submit`), so several callers cannot interleave
 differently on different ranks.
@@ -53,6 +58,7 @@ import torch.distributed as dist
 
 from gradhub import codecs
 from gradhub.collective.group import CollectiveFuture, CollectiveGroup, Operation
+from gradhub.collective.hierarchical import HierarchicalTransport
 from gradhub.collective.p2p_ring import ring_all_gather, ring_reduce_scatter
 from gradhub.collective.schedule import (
     reduction_order,
@@ -254,8 +260,10 @@ def run_reduce_scatter(
     plain = isinstance(codec, codecs.NoCompression)
     path, shared = select(group, op)
     small = path == "gloo" or flat.numel() * codec.bytes_per_element <= small_bytes
-    if shared is not None:
-        shared.reduce_scatter(op, flat, codec, ranges, flat_out, hop=not small)
+    if isinstance(shared, HierarchicalTransport):
+        shared.reduce_scatter(op, flat, codec, ranges, flat_out, pipeline)
+    elif shared is not None:
+        shared.reduce_scatter(op, flat, codec, [[c] for c in ranges], flat_out, hop=not small)
     elif group.backend == "nccl" and plain:
         _native_reduce_scatter(group, op, flat, ranges, flat_out)
     elif group.backend == "nccl" or small:
@@ -302,8 +310,11 @@ def run_all_gather(
         out.view(-1)[start : start + length].copy_(codec.decode(own_wire))
         return out
     path, shared = select(group, op)
+    if isinstance(shared, HierarchicalTransport):
+        shared.all_gather(op, own_wire, codec, ranges, out.view(-1), pipeline)
+        return out
     if shared is not None:
-        shared.all_gather(op, own_wire, codec, ranges, out.view(-1))
+        shared.all_gather(op, own_wire, codec, [[c] for c in ranges], out.view(-1))
         return out
     if path == "gloo" or group.backend == "nccl" or size * codec.bytes_per_element <= small_bytes:
         _collective_all_gather(group, op, own_wire, out, codec, ranges)

@@ -215,15 +215,18 @@ class ShmTransport:
         op: Operation,
         flat: torch.Tensor,
         codec: codecs.Codec,
-        ranges: list[tuple[int, int]],
+        owned: Sequence[Sequence[tuple[int, int]]],
         out: torch.Tensor,
         *,
         hop: bool,
     ) -> None:
-        """Sum chunk ``ranges[self.index]`` of ``flat`` over the ranks into ``out``.
+        """Sum this rank's segments of ``flat`` over the ranks into ``out``.
 
-        ``out`` may be that chunk of ``flat`` itself. ``hop``: round like the
-        ring's point-to-point path (see the module docstring).
+        ``owned[i]``: the ``(start, length)`` segments of ``flat`` that local
+        rank ``i`` sums (one each for a plain reduce-scatter; several for
+        :mod:`.hierarchical`); ``out`` receives this rank's segments' sums back
+        to back, and may be its one segment of ``flat`` itself. ``hop``: round
+        like the ring's point-to-point path (see the module docstring).
         """
         P, me = self.size, self.index
         plain = isinstance(codec, codecs.NoCompression)
@@ -231,29 +234,47 @@ class ShmTransport:
         dtype = torch.float32 if plain or hop else codec.wire_dtype
         k, regions = self._begin(op, flat.numel(), dtype)
         mine = regions[me]
-        for c, (s, n) in enumerate(ranges):
-            if c == me or n == 0:
-                continue
-            if prescale:
-                torch.div(flat[s : s + n], P, out=mine[s : s + n])
-            elif plain or hop:
-                mine[s : s + n].copy_(flat[s : s + n])
-            else:
-                mine[s : s + n].copy_(codec.encode(flat[s : s + n]))
+        for c, segments in enumerate(owned):
+            for s, n in segments if c != me else ():
+                if n == 0:
+                    continue
+                if prescale:
+                    torch.div(flat[s : s + n], P, out=mine[s : s + n])
+                elif plain or hop:
+                    mine[s : s + n].copy_(flat[s : s + n])
+                else:
+                    mine[s : s + n].copy_(codec.encode(flat[s : s + n]))
         self._publish(k)
         self._wait_all(op, k)
-        s, n = ranges[me]
         order = reduction_order(me, P)  # this rank last
-        parts = [regions[j][s : s + n] for j in order[:-1]]
-        own = flat[s : s + n]
-        if plain:
+        at = 0
+        for s, n in owned[me]:
+            parts = [regions[j][s : s + n] for j in order[:-1]]
+            self._sum(parts, flat[s : s + n], codec, out[at : at + n], hop=hop)
+            at += n
+            del parts
+        del regions, mine
+
+    def _sum(
+        self,
+        parts: list[torch.Tensor],
+        own: torch.Tensor,
+        codec: codecs.Codec,
+        out: torch.Tensor,
+        *,
+        hop: bool,
+    ) -> None:
+        """``out`` = the other ranks' ``parts`` (in order) plus ``own``, last."""
+        P, n = self.size, own.numel()
+        if isinstance(codec, codecs.NoCompression):
             acc = parts[0]
             if P > 2:
-                acc = torch.add(parts[0], parts[1], out=self.group.scratch("shm_acc", n, dtype))
+                acc = torch.add(parts[0], parts[1], out=self.group.scratch("shm_acc", n, acc.dtype))
                 for part in parts[2:]:
                     acc.add_(part)
             torch.add(acc, own, out=out)
         elif hop:
+            prescale = codec.wire_dtype == torch.float16
             last = torch.div(own, P) if prescale else own
             acc = codec.decode(codec.encode(parts[0]))
             for part in parts[1:]:
@@ -267,7 +288,6 @@ class ShmTransport:
             for part in parts[1:]:
                 out.add_(codec.decode(part))
             out.add_(last)
-        del parts, regions, mine
 
     @forgetting_views
     def all_gather(
@@ -275,26 +295,35 @@ class ShmTransport:
         op: Operation,
         own_wire: torch.Tensor,
         codec: codecs.Codec,
-        ranges: list[tuple[int, int]],
+        owned: Sequence[Sequence[tuple[int, int]]],
         out: torch.Tensor,
     ) -> None:
-        """Every rank's encoded slice, decoded into its place in ``out`` (flat fp32)."""
+        """Every rank's encoded segments, decoded into their places in ``out`` (flat fp32).
+
+        ``owned[i]``: local rank ``i``'s segments of ``out``; ``own_wire``
+        holds this rank's, back to back.
+        """
         me = self.index
-        size = ranges[-1][0] + ranges[-1][1]
         plain = isinstance(codec, codecs.NoCompression)
-        k, regions = self._begin(op, size, codec.wire_dtype)
-        s, n = ranges[me]
-        regions[me][s : s + n].copy_(own_wire)
+        k, regions = self._begin(op, out.numel(), codec.wire_dtype)
+        at = 0
+        for s, n in owned[me]:
+            regions[me][s : s + n].copy_(own_wire[at : at + n])
+            at += n
         self._publish(k)
-        own_out = out[s : s + n]
-        if n and not (plain and own_wire.data_ptr() == own_out.data_ptr()):
-            own_out.copy_(own_wire if plain else codec.decode(own_wire))
+        at = 0
+        for s, n in owned[me]:
+            wire, own_out = own_wire[at : at + n], out[s : s + n]
+            at += n
+            if n and not (plain and wire.data_ptr() == own_out.data_ptr()):
+                own_out.copy_(wire if plain else codec.decode(wire))
         self._wait_all(op, k)
-        for c, (s, n) in enumerate(ranges):
-            if c == me or n == 0:
-                continue
-            part = regions[c][s : s + n]
-            out[s : s + n].copy_(part if plain else codec.decode(part))
+        for c, segments in enumerate(owned):
+            for s, n in segments if c != me else ():
+                if n == 0:
+                    continue
+                part = regions[c][s : s + n]
+                out[s : s + n].copy_(part if plain else codec.decode(part))
         del regions
 
     # -------------------------------------------------------- synchronisation

@@ -1,25 +1,34 @@
 """Which transport a group's reduce-scatter and all-gather take.
 
 - ``"ring"``: the gloo ring of :mod:`.ring` (the backend's own collectives for
-  small vectors). Works everywhere; the only choice across hosts.
+  small vectors). Works everywhere; the flat ring across hosts.
 - ``"gloo"``: the backend's own collectives at every size
   (``all_to_all_single`` + ``all_gather_single``; ``all_reduce`` for
   :func:`.ring.all_reduce`).
 - ``"shm"``: shared memory (:mod:`.shm`), for ranks on one host.
+- ``"hierarchical"``: shared memory inside each host and one ring per column
+  of ranks between hosts (:mod:`.hierarchical`), for ranks on several hosts
+  that each hold the same number (at least 2) of them: each host sends its
+  bytes over the network once.
 
 Choice: the ``transport=`` of the group, else ``GRADHUB_TRANSPORT``, else
 ``"auto"``, which takes ``"shm"`` when every rank of a gloo group is on this
-host (:mod:`.hosts`: hostname, boot id and network namespace) and
-``"ring"`` otherwise. The choice is made once per group, at its first
+host (:mod:`.hosts`: hostname, boot id and network namespace),
+``"hierarchical"`` when the ranks span hosts that each hold the same number
+(>= 2) of ranks, and ``"ring"`` otherwise (one rank per host, or hosts of
+different sizes). The choice is made once per group, at its first
 reduce-scatter or all-gather, by all ranks together through the store: ranks
 that asked for different transports all get a ``ValueError``. Asking for
-``"shm"`` when the ranks span hosts is a ``ValueError`` too (nothing is
-silently slower than asked). A group without a store (a sub-group torch made)
-takes the ring. Every transport gives the same bits (see :mod:`.shm`).
+``"shm"`` when the ranks span hosts, or for ``"hierarchical"`` when the
+layout does not fit it, is a ``ValueError`` too (nothing is silently slower
+than asked). A group without a store (a sub-group torch made) takes the ring.
 
-Decision: a job that spans hosts takes the ring between all its ranks; the
-hierarchical variant (shared memory inside each host, the ring between
-hosts) is not built yet.
+Bits: ``"shm"``, ``"ring"`` and (for ``"none"``) ``"gloo"``'s collective
+path give the same bits (see :mod:`.shm`), so a job on one host and the same
+ranks on several hosts over the ring agree bit for bit. ``"hierarchical"``
+adds each host's values first, a different association of the same fp32 sum
+(see :mod:`.hierarchical`): every rank still ends with the same bits, but not
+those of the flat ring; ``GRADHUB_TRANSPORT=ring`` keeps them.
 """
 
 from __future__ import annotations
@@ -31,13 +40,14 @@ import torch.distributed as dist
 
 from gradhub.collective import shm
 from gradhub.collective.group import CollectiveGroup, Operation
+from gradhub.collective.hierarchical import HierarchicalTransport, fits
 from gradhub.collective.hosts import HostLayout, exchange, host_identity
 from gradhub.collective.shm_memory import supported as shm_supported
 
 _log = logging.getLogger("gradhub.collective")
 
 TRANSPORT_ENV = "GRADHUB_TRANSPORT"
-CHOICES = ("auto", "shm", "ring", "gloo")
+CHOICES = ("auto", "shm", "hierarchical", "ring", "gloo")
 
 
 def requested(explicit: str | None) -> str:
@@ -50,14 +60,19 @@ def requested(explicit: str | None) -> str:
     return name
 
 
+Shared = shm.ShmTransport | HierarchicalTransport
+"""A transport object: shared memory, or shared memory plus the ring between hosts."""
+
+
 class _Choice:
-    def __init__(self, name: str, shared: shm.ShmTransport | None = None):
+    def __init__(self, name: str, shared: Shared | None = None):
         self.name = name
         self.shared = shared
 
 
-def select(group: CollectiveGroup, op: Operation) -> tuple[str, shm.ShmTransport | None]:
-    """The group's transport name and, for ``"shm"``, its shared-memory transport.
+def select(group: CollectiveGroup, op: Operation) -> tuple[str, Shared | None]:
+    """The group's transport name and, for ``"shm"`` and ``"hierarchical"``, its
+    transport object.
 
     Collective the first time it is called on a group (inside an operation
     that every rank runs); cached afterwards.
@@ -108,12 +123,25 @@ def _decide(group: CollectiveGroup, op: Operation) -> _Choice:
     layout = HostLayout.of([v.split("|", 1)[1] for v in values], group.rank)
     name = asked
     if asked == "auto":
-        name = "shm" if layout.single_host and shm_supported() else "ring"
+        name = "ring"
+        if shm_supported() and layout.single_host:
+            name = "shm"
+        elif shm_supported() and fits(layout):
+            name = "hierarchical"
+    hosts = [list(h) for h in layout.hosts]
     if name == "shm" and not layout.single_host:
         raise ValueError(
             f"[rank {group.rank}] transport 'shm' needs every rank on one host; "
-            f"these ranks are on {len(layout.hosts)} hosts: {[list(h) for h in layout.hosts]}"
+            f"these ranks are on {len(layout.hosts)} hosts: {hosts}"
         )
+    if name == "hierarchical" and not fits(layout):
+        raise ValueError(
+            f"[rank {group.rank}] transport 'hierarchical' needs several hosts with the same "
+            f"number (>= 2) of ranks each; these ranks are on {len(hosts)} host(s): {hosts}"
+        )
+    if name == "hierarchical":
+        _log.debug("[rank %d] transport hierarchical (hosts %s)", group.rank, hosts)
+        return _Choice(name, HierarchicalTransport(group, layout, op, f"{key}/hierarchical"))
     if name != "shm":
         _log.debug("[rank %d] transport %s", group.rank, name)
         return _Choice(name)
