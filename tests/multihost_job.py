@@ -8,11 +8,20 @@ on rank i % world size) and saves every rank's parameters to
 ``gradhub serve`` elsewhere). With ``--refused-check``, rank 0 then talks to
 the ``--async-server`` without the secret and records what happened in
 ``OUT/refused.txt``.
+
+With ``--flat``, ``allreduce`` and ``sharded`` run once more on the flat ring
+(``GRADHUB_TRANSPORT=ring``; the first run takes the job's own transport,
+hierarchical across hosts holding several ranks), saved as
+``OUT/<strategy>-flat.rank<r>.pt``. With ``--count-bytes IFNAME`` the first
+rank of each host reads how many bytes its host sent on ``IFNAME`` during one
+all-reduce of :data:`COUNTED` fp32 elements on either transport and writes
+them to ``OUT/bytes.rank<r>.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -23,11 +32,14 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import gradhub
+from gradhub.collective import all_reduce, transport
 from gradhub.ps.config import read_secret_file
 from gradhub.train.strategies import make_strategy
 from train_helpers import fixed_data, tiny_model
 
 GLOBAL_BATCH = 16
+COUNTED = 2_000_000
+"""Elements of the all-reduce whose bytes between hosts are counted (8 MB)."""
 
 
 def train(
@@ -64,6 +76,22 @@ def refused(address: str, secret: bytes | None) -> str:
     return f"without the secret: {pull(1000, None)}; with it: {pull(1001, secret)}"
 
 
+def sent_bytes(runtime: gradhub.Runtime, ifname: str) -> tuple[str | None, int | None]:
+    """The runtime's transport and the bytes this host sent during one
+    all-reduce of COUNTED elements on it (read by the first rank of each host,
+    else ``None``)."""
+    counter = Path(f"/sys/class/net/{ifname}/statistics/tx_bytes")
+    x = torch.ones(COUNTED)
+    all_reduce(x, group=runtime.group).wait()  # set-up, buffers
+    runtime.all_reduce_sum(torch.zeros(1))  # both hosts idle before the count
+    before = int(counter.read_text()) if runtime.local_rank == 0 else 0
+    runtime.all_reduce_sum(torch.zeros(1))
+    all_reduce(x, group=runtime.group).wait()
+    runtime.all_reduce_sum(torch.zeros(1))
+    sent = int(counter.read_text()) - before if runtime.local_rank == 0 else None
+    return transport.chosen(runtime.group), sent
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -72,6 +100,8 @@ def main() -> None:
     p.add_argument("--secret-file")
     p.add_argument("--async-server")
     p.add_argument("--refused-check", action="store_true")
+    p.add_argument("--flat", action="store_true")
+    p.add_argument("--count-bytes", metavar="IFNAME")
     args = p.parse_args()
     secret = read_secret_file(args.secret_file) if args.secret_file else None
     out = Path(args.out)
@@ -87,6 +117,20 @@ def main() -> None:
             runtime.all_reduce_sum(torch.zeros(1))  # every rank done before the next one
         if args.refused_check and runtime.rank == 0:
             (out / "refused.txt").write_text(refused(args.async_server, secret))
+        sent: dict[str, tuple[str | None, int | None]] = {}
+        if args.count_bytes:
+            sent["auto"] = sent_bytes(runtime, args.count_bytes)
+        if args.flat or args.count_bytes:
+            os.environ["GRADHUB_TRANSPORT"] = "ring"  # read by the groups set up from here on
+            with gradhub.init(timeout=60) as flat:  # wraps the job's process group
+                for name in ("allreduce", "sharded") if args.flat else ():
+                    params = train(name, flat, args.steps, {})
+                    torch.save(params, out / f"{name}-flat.rank{runtime.rank}.pt")
+                if args.count_bytes:
+                    sent["ring"] = sent_bytes(flat, args.count_bytes)
+        if runtime.local_rank == 0 and sent:
+            counts = {**sent, "vector_bytes": 4 * COUNTED}
+            (out / f"bytes.rank{runtime.rank}.json").write_text(json.dumps(counts))
 
 
 if __name__ == "__main__":

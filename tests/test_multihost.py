@@ -83,7 +83,7 @@ def test_strategies_on_two_hosts_match_one_host_and_servers_need_the_secret(
             c.popen(2, serve, stdout=out, stderr=subprocess.STDOUT)
         job = [JOB, "--out", str(two), "--strategies", "allreduce,sharded,ps-sync,ps-async",
                "--secret-file", str(secret), "--async-server", f"tcp://{h2}:5555",
-               "--refused-check"]  # fmt: skip
+               "--refused-check", "--flat", "--count-bytes", "eth0"]  # fmt: skip
         argvs = [
             [GRADHUB, "run", "-n", "2", "--nnodes", "2", "--node-rank", str(i),
              "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{h0}:29400", "--rdzv-id", "mh",
@@ -100,19 +100,38 @@ def test_strategies_on_two_hosts_match_one_host_and_servers_need_the_secret(
         params: list[torch.Tensor] = torch.load(d / f"{name}.rank{rank}.pt")
         return params
 
-    for name in ("allreduce", "sharded", "ps-sync"):
-        want = load(one, name, 0)
+    for name in ("allreduce", "sharded", "ps-sync", "allreduce-flat", "sharded-flat"):
+        want = load(one, name.removesuffix("-flat"), 0)
         for rank in range(4):
-            for a, b in zip(load(two, name, rank), want, strict=True):
-                if name == "ps-sync":
-                    # A sync round sums the workers' pushes in arrival order,
-                    # which differs run to run even on one host: a few ulps of
+            got = load(two, name, rank)
+            # Every rank of the job holds the same bits.
+            assert all(torch.equal(a, b) for a, b in zip(got, load(two, name, 0), strict=True))
+            for a, b in zip(got, want, strict=True):
+                if name.endswith("-flat"):
+                    # The flat ring across hosts: the same fixed summation order
+                    # as shared memory on one host, so the hosts do not change a bit.
+                    assert torch.equal(a, b), f"{name} rank {rank} differs from 1 host x 4"
+                else:
+                    # ps-sync sums the workers' pushes in arrival order, which
+                    # differs run to run even on one host; allreduce and sharded
+                    # take the hierarchical path, which adds each host's two
+                    # gradients first, (g0 + g1) + (g2 + g3), where one host adds
+                    # ((ga + gb) + gc) + gd: fp32 reassociation, a few ulps of
                     # values ~1 after 3 momentum steps.
                     torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
-                else:
-                    # Same ranks, same fixed summation order (gloo's all-reduce,
-                    # the ring's reduce-scatter): the hosts do not change a bit.
-                    assert torch.equal(a, b), f"{name} rank {rank} differs from 1 host x 4"
+    # Bytes each host sent during one all-reduce of N = 8 MB: the hierarchical
+    # path sends 2 (H - 1) / H * N = N per host (the least any all-reduce between
+    # 2 hosts can send), the flat ring 2 (P - 1) / P * N = 1.5 N over the one
+    # link per host that crosses hosts (ranks are consecutive on each host);
+    # plus headers, acknowledgements and the store's messages (a few %).
+    for rank in (0, 2):
+        sent = json.loads((two / f"bytes.rank{rank}.json").read_text())
+        n = sent["vector_bytes"]
+        (auto, hierarchical), (ring, flat) = sent["auto"], sent["ring"]
+        assert (auto, ring) == ("hierarchical", "ring"), sent
+        assert n <= hierarchical <= 1.15 * n, sent
+        assert 1.4 * n <= flat <= 1.7 * n, sent
+        assert hierarchical <= 0.75 * flat, sent
     initial = [p.detach() for p in __import__("train_helpers").tiny_model(seed=0).parameters()]
     for rank in range(4):
         params = load(two, "ps-async", rank)

@@ -6,8 +6,10 @@
 - :mod:`.schedule`: the ring schedule, pure.
 - :mod:`.ring`: :func:`reduce_scatter`, :func:`all_gather`, :func:`all_reduce`
   (gloo ring or NCCL), dispatching to the group's transport.
-- :mod:`.transport`: which transport a group takes (``shm``, ``ring``, ``gloo``);
-  :mod:`.hosts`: which ranks share a host; :mod:`.shm`: shared memory.
+- :mod:`.transport`: which transport a group takes (``shm``, ``hierarchical``,
+  ``ring``, ``gloo``); :mod:`.hosts`: which ranks share a host; :mod:`.shm`:
+  shared memory; :mod:`.hierarchical`: shared memory inside each host and the
+  ring between hosts.
 - :mod:`.allreduce_parameter`: :class:`AllReduceParameter` (BigDL's).
 - :mod:`.sharded_optimizer`: :class:`ShardedOptimizer` (ZeRO-1).
 """
