@@ -27,12 +27,20 @@ pipe) and get a future back.
   again and resends, in their original order, the pushes the server had
   acknowledged but not yet made durable (kept until the server reports them
   durable), then everything in flight. ZeroMQ reconnects the socket on its own.
+- **Shared arena.** With a server on this host that offers one, payloads of
+  at least ``arena_min_bytes`` travel through shared memory
+  (:mod:`gradhub.ps.arena`); the messages stay on ZeroMQ. When the arena's
+  connection ends without the server's goodbye, the server process died:
+  its requests fail at once with :class:`~gradhub.errors.WorkerFailedError`
+  if it cannot be restarted from a checkpoint; else the channel waits for it
+  as for any restart.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import logging
 import os
 import secrets
@@ -41,6 +49,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 
+import torch
 import zmq
 
 from gradhub.errors import (
@@ -49,8 +58,10 @@ from gradhub.errors import (
     ProtocolError,
     ServerTimeoutError,
     ServerUnavailableError,
+    WorkerFailedError,
 )
 from gradhub.ps import protocol, status
+from gradhub.ps.arena import ClientArena
 from gradhub.ps.link import MUTATING, Link, Request, closed_error, refused_error
 from gradhub.ps.protocol import Header, Message, Op, Status
 
@@ -71,6 +82,8 @@ class Channel:
         heartbeat_interval: float,
         retry_interval: float,
         max_inflight_bytes: int,
+        arena: bool = False,
+        arena_min_bytes: int = 0,
     ) -> None:
         self.worker_id = worker_id
         self.timeout = timeout
@@ -79,6 +92,10 @@ class Channel:
         self.retry_interval = retry_interval
         self.max_inflight_bytes = max_inflight_bytes
         self.dropped_replies = 0
+        self.arena = arena
+        self.arena_min_bytes = arena_min_bytes
+        self._arena_fds: dict[int, Link] = {}
+        self._poller = zmq.Poller()
         self._secret = secret
         self._session = secrets.randbits(63) | 1
         self._lock = threading.Lock()
@@ -164,9 +181,16 @@ class Channel:
         os.close(self._wake_w)
         self._close_sockets()
 
+    def arena_in_use(self, server: int) -> bool:
+        """Whether payloads to ``server`` go through a shared arena now."""
+        return self._servers[server].arena is not None
+
     # --------------------------------------------------------------- helpers
     def _close_sockets(self) -> None:
         for s in self._servers:
+            if s.arena is not None:
+                s.arena.close()
+                s.arena = None
             s.sock.close(0)
         self._ctx.term()
 
@@ -177,7 +201,7 @@ class Channel:
 
     # ----------------------------------------------------------- I/O thread
     def _loop(self) -> None:
-        poller = zmq.Poller()
+        poller = self._poller
         poller.register(self._wake_r, zmq.POLLIN)
         for s in self._servers:
             poller.register(s.sock, zmq.POLLIN)
@@ -202,6 +226,8 @@ class Channel:
                     if sock == self._wake_r:
                         with contextlib.suppress(BlockingIOError):
                             os.read(self._wake_r, 4096)
+                    elif sock in self._arena_fds:
+                        self._arena_event(self._arena_fds[sock])
                     else:
                         self._receive(socks[sock])
         except Exception:
@@ -245,6 +271,14 @@ class Channel:
         self._send(s, s.hello)
 
     def _send(self, s: Link, req: Request) -> None:
+        req.sends += 1
+        payload, meta, locator = req.payload, req.meta, None
+        if s.arena is not None:
+            try:
+                payload, meta, locator = self._through_arena(s.arena, req)
+            except OSError as exc:
+                log.warning("shared arena with %s failed (%s); using ZeroMQ alone", s.address, exc)
+                self._drop_arena(s)
         header = Header(
             op=req.op,
             request_id=req.request_id,
@@ -256,11 +290,99 @@ class Channel:
             codec=req.codec,
             aux=int(self.timeout * 1000),  # how long the server may hold it
         )
-        frames = protocol.encode(header, req.key, req.payload, meta=req.meta, secret=self._secret)
+        frames = protocol.encode(
+            header, req.key, payload, meta=meta, secret=self._secret, arena=locator
+        )
         try:
             s.sock.send_multipart(frames, copy=False)
         except zmq.ZMQError as exc:
             log.debug("send to %s failed (%s); will retry", s.address, exc)
+
+    def _through_arena(
+        self, arena: ClientArena, req: Request
+    ) -> tuple[torch.Tensor | None, bytes, bytes | None]:
+        """(payload, meta, locator) of ``req`` through ``arena``: a push's tensor is
+        copied into a segment (once: a retry finds it there); a pull names the
+        segment its reply goes into. Small requests pass unchanged."""
+        if req.slot is not None and not arena.holds(req.slot):
+            req.slot = None  # lent by an arena that is gone
+        if req.payload is not None and req.nbytes >= arena.min_bytes and req.op in MUTATING:
+            if req.slot is None:
+                req.slot = arena.take(req.nbytes)
+                req.slot.tensor(req.payload).copy_(req.payload)
+            return req.slot.tensor(req.payload), req.meta, req.slot.locator(req.nbytes)
+        if req.op == Op.PULL and req.reply_bytes >= arena.min_bytes:
+            if req.slot is None:
+                req.slot = arena.take(req.reply_bytes)
+            where = {"arena": [req.slot.id, 0, req.reply_bytes]}
+            return None, json.dumps(where).encode(), None
+        return req.payload, req.meta, None
+
+    def _release(self, s: Link, req: Request) -> None:
+        """Give back ``req``'s arena segment once the server is done with it."""
+        if req.slot is not None:
+            if s.arena is not None:
+                s.arena.give_back(req.slot, reuse=req.sends == 1)
+            req.slot = None
+
+    def _start_arena(self, s: Link, msg: Message) -> None:
+        """Connect the shared arena a hello reply offers, if this host is the server's."""
+        self._drop_arena(s)
+        if not self.arena or not msg.payload:
+            return
+        try:
+            info = json.loads(msg.text())
+            if not isinstance(info, dict) or not ClientArena.offered(info):
+                return
+            arena = ClientArena(
+                info,
+                session=self._session,
+                worker_id=self.worker_id,
+                secret=self._secret,
+                timeout=self.timeout,
+                min_bytes=self.arena_min_bytes,
+            )
+        except (OSError, ValueError) as exc:
+            log.info("no shared arena with %s: %s", s.address, exc)
+            return
+        s.arena = arena
+        self._arena_fds[arena.fileno()] = s
+        self._poller.register(arena.fileno(), zmq.POLLIN)
+        log.debug("shared arena with %s (pid %d)", s.address, arena.server_pid)
+
+    def _drop_arena(self, s: Link) -> None:
+        if s.arena is None:
+            return
+        fd = s.arena.fileno()
+        self._arena_fds.pop(fd, None)
+        with contextlib.suppress(KeyError):
+            self._poller.unregister(fd)
+        s.arena.close()
+        s.arena = None
+
+    def _arena_event(self, s: Link) -> None:
+        arena = s.arena
+        if arena is None or arena.alive():
+            return
+        self._drop_arena(s)
+        if arena.said_bye:
+            return  # the server closed: its goodbye on ZeroMQ says what follows
+        if arena.restartable:
+            log.warning(
+                "parameter server %s (pid %d) died; waiting for it to restart from its "
+                "checkpoint (up to %gs per request)",
+                s.address,
+                arena.server_pid,
+                self.timeout,
+            )
+            return
+        self._fail_server(
+            s,
+            WorkerFailedError(
+                f"parameter server {s.address} (pid {arena.server_pid}) died: its process "
+                "ended without closing, and it keeps no checkpoint to restart from"
+            ),
+        )
 
     def _receive(self, i: int) -> None:
         s = self._servers[i]
@@ -270,7 +392,12 @@ class Channel:
             except zmq.Again:
                 return
             try:
-                msg = protocol.decode(frames, secret=self._secret, max_payload=1 << 40)
+                msg = protocol.decode(
+                    frames,
+                    secret=self._secret,
+                    max_payload=1 << 40,
+                    arena=None if s.arena is None else s.arena.resolve,
+                )
                 if not msg.header.is_reply:
                     raise ProtocolError("a request sent to a client")
             except ProtocolError as exc:
@@ -290,6 +417,8 @@ class Channel:
             mine = [r for r in self._submitted if self._servers[r.server] is s]
             self._submitted = [r for r in self._submitted if self._servers[r.server] is not s]
         mine += [*s.queue.clear(), *s.inflight.values()]
+        for r in mine:
+            self._release(s, r)
         s.inflight.clear()
         s.inflight_bytes = 0
         s.retained.clear()
@@ -305,7 +434,7 @@ class Channel:
                 if h.status == Status.REFUSED:
                     self._fail_server(s, refused_error(s.address, self._secret is not None))
                 else:
-                    self._hello_done(s, h)
+                    self._hello_done(s, msg)
             return
         if h.op == Op.BYE:
             self._goodbye(s, restartable=bool(h.aux))
@@ -324,6 +453,13 @@ class Channel:
         del s.inflight[h.request_id]
         if req.op in MUTATING:
             s.inflight_bytes -= req.nbytes
+        try:
+            self._complete(s, req, msg)
+        finally:
+            self._release(s, req)
+
+    def _complete(self, s: Link, req: Request, msg: Message) -> None:
+        h = msg.header
         future = req.future
         if h.status != Status.OK:
             if future is not None and not future.done():
@@ -346,7 +482,9 @@ class Channel:
         if future is not None and not future.done():
             future.set_result(None)
 
-    def _hello_done(self, s: Link, h: Header) -> None:
+    def _hello_done(self, s: Link, msg: Message) -> None:
+        h = msg.header
+        self._start_arena(s, msg)
         restarted = s.connected_before
         s.connected_before = True
         s.incarnation = h.incarnation
@@ -414,6 +552,7 @@ class Channel:
                 self._expire(s, req)
 
     def _expire(self, s: Link, req: Request) -> None:
+        self._release(s, req)
         if req.future is not None and not req.future.done():
             op = req.op.name.lower()
             req.future.set_exception(

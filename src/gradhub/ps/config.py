@@ -149,6 +149,10 @@ class ServerConfig:
     name: str | None = None
     """Name of the checkpoint file (default: derived from ``bind``)."""
 
+    arena: bool = True
+    """Offer clients on this host a shared-memory arena for tensor payloads
+    (:mod:`gradhub.ps.arena`); ``GRADHUB_PS_ARENA=0`` also turns it off."""
+
     threads: int = 1
     """torch intra-op threads of a server process (``gradhub serve``, or
     ``start_server`` without ``in_thread``; a thread server keeps its caller's

@@ -18,6 +18,7 @@ import torch
 import zmq
 
 from gradhub.errors import AuthenticationError, ClosedError, GradhubError
+from gradhub.ps.arena import ClientArena, Slot
 from gradhub.ps.lanes import PriorityLanes
 from gradhub.ps.protocol import Message, Op
 
@@ -47,6 +48,9 @@ class Request:
     deadline: float = float("inf")
     next_retry: float = float("inf")
     nbytes: int = 0
+    reply_bytes: int = 0  # a pull's expected payload (its arena segment's size)
+    sends: int = 0
+    slot: Slot | None = None  # the arena segment lent to it
 
 
 @dataclass
@@ -63,6 +67,7 @@ class Link:
     retained: dict[int, Request] = field(default_factory=dict)  # acked, not yet durable
     next_heartbeat: float = 0.0
     failure: GradhubError | None = None  # fails every request to this server at once
+    arena: ClientArena | None = None  # the shared arena, on the same host
 
     def prune(self, durable: int) -> None:
         """Forget the retained requests the server has on disk (``seq <= durable``)."""

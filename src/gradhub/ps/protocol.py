@@ -16,6 +16,11 @@ dimensions. Tensor bytes travel as their own frame: :func:`encode` hands
 ZeroMQ a view of the tensor's memory and :func:`Message.tensor` wraps a
 received frame with ``torch.frombuffer``, so neither side copies them.
 
+With ``FLAG_ARENA`` the payload frame is an :data:`ARENA_LOCATOR` (segment,
+offset, length) naming bytes in a shared-memory arena of the two peers
+(:mod:`gradhub.ps.arena`); the HMAC then covers those bytes in place of the
+frame's, so a signed message signs the payload wherever it travels.
+
 The HMAC covers header, key, meta and payload frames; it is checked with
 ``hmac.compare_digest``. :func:`decode` checks everything that can be checked
 (magic, version, op, sizes, dtype, shape against payload length, UTF-8 key,
@@ -40,7 +45,7 @@ import hmac
 import json
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,7 +64,14 @@ MAC_SIZE = 32
 
 FLAG_REPLY = 1
 FLAG_MAC = 2
-_KNOWN_FLAGS = FLAG_REPLY | FLAG_MAC
+FLAG_ARENA = 4  # the payload frame is a locator into a shared arena
+_KNOWN_FLAGS = FLAG_REPLY | FLAG_MAC | FLAG_ARENA
+
+ARENA_LOCATOR = struct.Struct("<IQQ")
+"""The payload frame of an arena message: segment id, byte offset, length."""
+
+ArenaResolver = Callable[[int, bytes], memoryview]
+"""``(session, locator) -> the bytes it names``; raises ``ProtocolError`` if it names none."""
 
 
 _HEADER = struct.Struct("<2sBBHHBBBxHIiQQQQQQ" + "Q" * MAX_NDIM)
@@ -226,9 +238,13 @@ def encode(
     *,
     meta: bytes = b"",
     secret: bytes | None = None,
+    arena: bytes | None = None,
 ) -> list[Any]:
     """The frames of one message (header, key, meta, payload[, mac]); fills in
-    ``header``'s dtype, shape and payload length from a tensor payload."""
+    ``header``'s dtype, shape and payload length from a tensor payload.
+
+    ``arena``: the locator of ``payload``, a tensor that lies in a shared arena;
+    the locator travels instead of its bytes, which the signature still covers."""
     key_bytes = key.encode("utf-8")
     if len(key_bytes) > MAX_KEY_BYTES:
         raise ValueError(
@@ -245,7 +261,10 @@ def encode(
         data = b"" if payload is None else payload
         header.payload_len = memoryview(data).nbytes
         header.dtype, header.shape = None, ()
-    flags = header.flags | (FLAG_MAC if secret else 0)
+    signed = data
+    if arena is not None:
+        data = arena
+    flags = header.flags | (FLAG_MAC if secret else 0) | (FLAG_ARENA if arena is not None else 0)
     header.flags = flags
     shape = list(header.shape) + [0] * (MAX_NDIM - len(header.shape))
     head = _HEADER.pack(
@@ -270,7 +289,7 @@ def encode(
     )
     frames: list[Any] = [head, key_bytes, meta, data]
     if secret:
-        frames.append(_mac(secret, frames))
+        frames.append(_mac(secret, frames if arena is None else [*frames, signed]))
     return frames
 
 
@@ -279,17 +298,26 @@ def decode(
     *,
     secret: bytes | None = None,
     max_payload: int = DEFAULT_MAX_PAYLOAD,
+    arena: ArenaResolver | None = None,
 ) -> Message:
-    """Parse and check one message; only ``ProtocolError`` escapes, whatever ``frames`` hold."""
+    """Parse and check one message; only ``ProtocolError`` escapes, whatever ``frames`` hold.
+
+    ``arena`` finds the payload of a message that names one in a shared arena
+    (a message that does, with no ``arena`` given, is malformed)."""
     try:
-        return _decode(frames, secret, max_payload)
+        return _decode(frames, secret, max_payload, arena)
     except ProtocolError:
         raise
     except Exception as exc:  # any other surprise is a malformed frame, never a crash
         raise ProtocolError(f"malformed message: {type(exc).__name__}: {exc}") from exc
 
 
-def _decode(frames: Sequence[Any], secret: bytes | None, max_payload: int) -> Message:
+def _decode(
+    frames: Sequence[Any],
+    secret: bytes | None,
+    max_payload: int,
+    arena: ArenaResolver | None = None,
+) -> Message:
     if len(frames) not in (4, 5):
         raise ProtocolError(f"expected 4 or 5 frames, got {len(frames)}")
     views = [memoryview(f).cast("B") for f in frames]
@@ -315,10 +343,24 @@ def _decode(frames: Sequence[Any], secret: bytes | None, max_payload: int) -> Me
         )
     if views[2].nbytes > MAX_META_BYTES:
         raise OversizedError(f"meta of {views[2].nbytes} bytes exceeds {MAX_META_BYTES}")
+    payload: Any = frames[3]
+    signed_parts = views[:4]
+    if flags & FLAG_ARENA:
+        if arena is None:
+            raise ProtocolError("payload in a shared arena, but this connection has none")
+        if views[3].nbytes != ARENA_LOCATOR.size:
+            raise ProtocolError(f"arena locator is {views[3].nbytes} bytes")
+        if payload_len > max_payload:
+            raise OversizedError(
+                f"payload of {payload_len} bytes exceeds the limit of {max_payload}"
+            )
+        payload = arena(session, views[3].tobytes())
+        signed_parts = [*views[:4], payload]
+        views[3] = payload
     if secret:
         if not signed:
             raise AuthenticationError("unsigned message; this endpoint requires a shared secret")
-        expected = _mac(secret, views[:4])
+        expected = _mac(secret, signed_parts)
         if not hmac.compare_digest(expected, views[4].tobytes()):
             raise AuthenticationError("message signature does not match the shared secret")
     elif signed:
@@ -372,7 +414,7 @@ def _decode(frames: Sequence[Any], secret: bytes | None, max_payload: int) -> Me
         shape=shape,
         payload_len=payload_len,
     )
-    return Message(header, key, frames[3], views[2].tobytes())
+    return Message(header, key, payload, views[2].tobytes())
 
 
 def peek_header(frames: Sequence[Any]) -> Header | None:

@@ -13,6 +13,13 @@ live worker. Workers stay live by heartbeats (every ``heartbeat_interval``).
 
 Decision: a push sends the caller's gradient memory without a copy (one
 replica, no codec): do not modify it until the future is done.
+
+Servers on this host: payloads of ``arena_min_bytes`` or more travel through
+a shared-memory arena instead of ZeroMQ (:mod:`gradhub.ps.arena`: a push is
+copied once into it, a pull once out of it); ``arena=False`` or
+``GRADHUB_PS_ARENA=0`` keeps them on ZeroMQ. A server process on this host
+that dies without checkpoints fails its requests at once with
+``WorkerFailedError`` (seen through the arena), not after ``timeout``.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from gradhub.errors import (
     ShapeMismatchError,
 )
 from gradhub.optim import OptimizerSpec
+from gradhub.ps import arena as arenas
 from gradhub.ps import optim_state
 from gradhub.ps.base import ParameterServer, Replicas, as_replicas, check_key
 from gradhub.ps.channel import Channel
@@ -85,6 +93,9 @@ class RemoteParameterServer(ParameterServer):
         heartbeat_interval: seconds between heartbeats to each server.
         retry_interval: seconds before an unanswered request is sent again.
         max_inflight_bytes: push bytes in flight per server before queueing.
+        arena: use a shared-memory arena with servers on this host (default:
+            yes, unless ``GRADHUB_PS_ARENA=0``).
+        arena_min_bytes: smallest payload that goes through the arena.
     """
 
     def __init__(
@@ -101,6 +112,8 @@ class RemoteParameterServer(ParameterServer):
         heartbeat_interval: float = 1.0,
         retry_interval: float = 5.0,
         max_inflight_bytes: int = 64 << 20,
+        arena: bool | None = None,
+        arena_min_bytes: int = arenas.DEFAULT_MIN_BYTES,
     ) -> None:
         addrs = [addresses] if isinstance(addresses, str) else list(addresses)
         if not addrs:
@@ -131,6 +144,8 @@ class RemoteParameterServer(ParameterServer):
             heartbeat_interval=float(heartbeat_interval),
             retry_interval=float(retry_interval),
             max_inflight_bytes=int(max_inflight_bytes),
+            arena=arenas.enabled(arena),
+            arena_min_bytes=int(arena_min_bytes),
         )
 
     @property
@@ -230,6 +245,8 @@ class RemoteParameterServer(ParameterServer):
                 piece.server,
                 priority,
                 on_reply=_filler(key, targets, piece.span),
+                reply_bytes=first.element_size()
+                * (first.numel() if piece.span is None else piece.span.stop - piece.span.start),
             )
             for piece in pieces
         ]
@@ -378,6 +395,7 @@ class RemoteParameterServer(ParameterServer):
         codec: str = "none",
         meta: bytes = b"",
         on_reply: Callable[[Message], None] | None = None,
+        reply_bytes: int = 0,
     ) -> Future[None]:
         return self._channel.submit(
             Request(
@@ -391,6 +409,7 @@ class RemoteParameterServer(ParameterServer):
                 codec=codec,
                 meta=meta,
                 on_reply=on_reply,
+                reply_bytes=reply_bytes,
             )
         )
 

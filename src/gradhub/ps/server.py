@@ -20,6 +20,9 @@ Decisions:
   whether it can be restarted from a checkpoint (clients wait for it) or not
   (their calls fail at once with ``ClosedError``).
 - Messages it cannot accept: see :mod:`gradhub.ps.rejects`.
+- Clients on this host get a shared arena for their payloads
+  (:mod:`gradhub.ps.arena`; ``config.arena``): the hello reply says where, a
+  push is read where it lies, a pull is copied into the segment it names.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import torch
 import zmq
 
 from gradhub.errors import BindError, ProtocolError
-from gradhub.ps import protocol
+from gradhub.ps import arena, protocol
 from gradhub.ps.config import ServerConfig, default_optimizer
 from gradhub.ps.link import MUTATING
 from gradhub.ps.protocol import Message, Op, Status
@@ -65,6 +68,7 @@ class Server(Service):
         self._closed = False
         self._flushes: list[Message] = []
         self._held: list[list[Any]] = []  # replies waiting for the log's sync
+        self.counters.update(arena_payloads=0, arena_replies=0)
         self._restore()
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -79,6 +83,18 @@ class Server(Service):
             self._ctx.term()
             raise BindError(f"cannot bind parameter server to {config.bind}: {exc}") from exc
         self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._arenas: arena.ServerArenas | None = None
+        self._hello_info = b""
+        if config.arena and arena.enabled():
+            try:
+                self._arenas = arena.ServerArenas(
+                    config.secret,
+                    restartable=self.persist.enabled,
+                    max_segment=config.max_payload + (1 << 20),
+                )
+                self._hello_info = json.dumps(self._arenas.info()).encode()
+            except OSError as exc:
+                log.warning("no shared arena for clients on this host: %s", exc)
         log.info(
             "parameter server on %s: mode=%s optimizer=%s workers=%d%s",
             self.address,
@@ -99,12 +115,17 @@ class Server(Service):
         """Run until :meth:`stop` or a shutdown request; checkpoints and closes on exit."""
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        if self._arenas is not None:
+            self._arenas.attach(poller)
         hb_every = min(1.0, self.config.heartbeat_timeout / 4)
         next_hb = time.monotonic() + hb_every
         next_ckpt = time.monotonic() + self.config.checkpoint_every
         try:
             while not self._stop.is_set():
-                if poller.poll(_POLL_MS):
+                events = dict(poller.poll(_POLL_MS))
+                if events:
+                    if self._arenas is not None:
+                        self._arenas.ready(events)
                     self._drain()
                     self._run_queue()
                     self._commit()
@@ -128,6 +149,8 @@ class Server(Service):
             self.checkpoint()
             self._goodbye()
         finally:
+            if self._arenas is not None:
+                self._arenas.close()
             self.persist.close()
             self._sock.close(linger=1000)
             self._ctx.term()
@@ -173,7 +196,10 @@ class Server(Service):
         routing = frames[0].bytes
         try:
             msg = protocol.decode(
-                frames[1:], secret=self.config.secret, max_payload=self.config.max_payload
+                frames[1:],
+                secret=self.config.secret,
+                max_payload=self.config.max_payload,
+                arena=None if self._arenas is None else self._arenas.resolve,
             )
             if msg.header.is_reply:
                 raise ProtocolError("a reply sent to a server")
@@ -185,6 +211,8 @@ class Server(Service):
         msg.routing = [routing]
         self._peers.add(routing)
         h = msg.header
+        if h.flags & protocol.FLAG_ARENA:
+            self.counters["arena_payloads"] += 1
         self.consistency.seen(h.worker_id)  # liveness; membership comes with a valid push
         if h.op in _DATA_OPS or h.op == Op.FLUSH:
             if h.incarnation != self.incarnation:
@@ -195,7 +223,7 @@ class Server(Service):
             else:
                 self._queue.push((routing, msg.key), msg, h.priority)
         elif h.op == Op.HELLO:
-            self._reply(msg, aux=self.ledger.low(h.worker_id, h.session))
+            self._reply(msg, aux=self.ledger.low(h.worker_id, h.session), payload=self._hello_info)
         elif h.op == Op.HEARTBEAT:
             self._reply(msg)
         elif h.op == Op.STATS:
@@ -218,14 +246,40 @@ class Server(Service):
         if self._replaying:
             return
         header = protocol.reply(msg.header, incarnation=self.incarnation, status=status, aux=aux)
+        locator = None
+        if isinstance(payload, torch.Tensor) and self._copies_out(msg):
+            locator, payload = self._into_arena(msg, payload)
         frames = [
             *msg.routing,
-            *protocol.encode(header, msg.key, payload, meta=meta, secret=self.config.secret),
+            *protocol.encode(
+                header, msg.key, payload, meta=meta, secret=self.config.secret, arena=locator
+            ),
         ]
         if self.persist.durable and status == Status.OK and header.op in MUTATING:
             self._held.append(frames)  # sent by _commit, once the log is synced
         else:
             self._send(frames)
+
+    def _copies_out(self, msg: Message) -> bool:
+        """Whether a pull reply goes into the client's arena (copied there at once)."""
+        return self._arenas is not None and msg.header.op == Op.PULL and b"arena" in msg.meta
+
+    def _into_arena(self, msg: Message, value: torch.Tensor) -> tuple[bytes | None, torch.Tensor]:
+        """(locator, the copy of ``value`` in the segment the pull named), or
+        ``(None, a snapshot)`` when it does not fit there (the reply carries it)."""
+        assert self._arenas is not None
+        nbytes = value.numel() * value.element_size()
+        try:
+            where = self._arenas.destination(msg.header.session, msg.meta_json(), nbytes)
+        except ProtocolError:
+            where = None
+        if where is None or not value.is_contiguous():
+            return None, value.detach().clone()
+        locator, region = where
+        copy = region.view(value.dtype).view(value.shape)
+        copy.copy_(value)
+        self.counters["arena_replies"] += 1
+        return locator, copy
 
     def _send(self, frames: list[Any]) -> None:
         try:
