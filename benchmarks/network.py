@@ -5,8 +5,9 @@ host behind a bridge, a ``tbf`` limit of the link rate on both ends of every
 link, offloads off; a parameter server gets a host of its own. Root needed.
 
 Per link rate and model, one process per rank is started inside its host
-(``--layout 2x1``: 2 hosts x 1 rank; ``2x2``: 2 hosts x 2 ranks), gloo over
-the hosts' ``eth0``, one intra-op thread per rank. In every round each
+(``--layout 2x1``: 2 hosts x 1 rank; ``2x2``: 2 hosts x 2 ranks, ranks 0, 1
+on host 0; ``2x2i``: the same with ranks interleaved, 0, 2 on host 0), gloo
+over the hosts' ``eth0``, one intra-op thread per rank. In every round each
 contender runs ``--steps`` steps on fixed batches, the order rotating round by
 round; rank 0 times each step (forward to optimizer step) and reads how many
 bytes its host sent (``eth0``'s counter) per step:
@@ -17,13 +18,17 @@ bytes its host sent (``eth0``'s counter) per step:
   one bucket: with several, the hook mismatches gloo's collectives
   (pytorch/pytorch#58467);
 - ``gradhub allreduce fp32`` / ``bf16`` / ``powersgd``: the ``allreduce``
-  strategy with ``compress="none"``, ``"bf16"``, ``"powersgd"`` (rank 4);
+  strategy with ``compress="none"``, ``"bf16"``, ``"powersgd"`` (rank 4), on
+  the job's own transport (the ring at 2 x 1, hierarchical at 2 x 2);
+- ``gradhub allreduce fp32 flat ring``: the same with ``transport="ring"``
+  (the flat ring across all ranks), the hierarchical path's peer;
 - ``gradhub sharded bf16``: ring reduce-scatter + all-gather, bf16 wire;
 - ``gradhub ps-async``: push and pull against one server on its own host
   (fp32, HMAC-signed).
 
-Reports the median step time, the min-max of the round medians, the MB host
-0 sent per step and the ratio to ``DDP fp32`` (< 1: faster). Writes
+Reports the transport each gradhub contender took, the median step time,
+the min-max of the round medians, the MB host 0 sent per step and the ratio
+to ``DDP fp32`` (< 1: faster). Writes
 ``network.json`` and ``network.md`` to ``--out`` and prints the table.
 
     python benchmarks/network.py [--rates 1gbit,10gbit] [--layouts 2x1,2x2] \\
@@ -33,6 +38,7 @@ Reports the median step time, the min-max of the round medians, the MB host
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -56,11 +62,25 @@ CONTENDERS = [
     PEER,
     "DDP + PowerSGD hook",
     "gradhub allreduce fp32",
+    "gradhub allreduce fp32 flat ring",
     "gradhub allreduce bf16",
     "gradhub allreduce powersgd",
     "gradhub sharded bf16",
     "gradhub ps-async",
 ]
+ON_TRANSPORT = (
+    "gradhub allreduce fp32",
+    "gradhub allreduce fp32 flat ring",
+    "gradhub sharded bf16",
+)
+"""The contenders whose collectives take the group's transport (reported per run)."""
+OTHER_PATHS = {
+    PEER: "gloo all_reduce",
+    "DDP + PowerSGD hook": "gloo all_reduce",
+    "gradhub allreduce bf16": "gloo all_reduce",
+    "gradhub allreduce powersgd": "gloo all_reduce",
+    "gradhub ps-async": "ZeroMQ",
+}
 POWERSGD_RANK = 4
 MODELS = ("mlp", "transformer")
 LABELS = {"mlp": "MLP 20M", "transformer": "Transformer"}
@@ -111,9 +131,20 @@ def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------ one rank
+def flat_ring(runtime: Any) -> Any:
+    """A runtime over the same process group whose collectives take the flat ring."""
+    from gradhub.collective import CollectiveGroup
+
+    group = CollectiveGroup(
+        runtime.group.process_group, store=runtime.store, timeout=runtime.timeout, transport="ring"
+    )
+    return dataclasses.replace(runtime, group=group, owns_group=False)
+
+
 def contenders(
     name: str, runtime: Any, server: str, secret: bytes, batch: int, only: set[str]
-) -> tuple[dict[str, Callable[[], None]], list[Any]]:
+) -> tuple[dict[str, Callable[[], None]], list[Any], dict[str, Any]]:
+    """Each contender's step, what to close afterwards, and the runtime it runs on."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
     from gradhub.train.strategies import make_strategy
@@ -149,6 +180,7 @@ def contenders(
         steps["DDP + PowerSGD hook"] = ddp(True)
     options: dict[str, dict[str, Any]] = {
         "gradhub allreduce fp32": {},
+        "gradhub allreduce fp32 flat ring": {},
         "gradhub allreduce bf16": {"compress": "bf16"},
         "gradhub allreduce powersgd": {
             "compress": "powersgd",
@@ -157,6 +189,8 @@ def contenders(
         "gradhub sharded bf16": {"compress": "bf16"},
         "gradhub ps-async": {"servers": [server], "secret": secret},
     }
+    runtimes: dict[str, Any] = {}
+    last: list[Any] = []
     for label, opts in options.items():
         if label not in only:
             continue
@@ -168,14 +202,18 @@ def contenders(
             if runtime.rank == 0:
                 print(f"skipping {label}: {exc}", file=sys.stderr)
             continue
-        strategy.setup(model, torch.optim.SGD(model.parameters(), lr=0.01), runtime)
+        runtimes[label] = runtime
+        if label.endswith("flat ring"):
+            runtimes[label] = flat_ring(runtime)
+            last.append(runtimes[label])
+        strategy.setup(model, torch.optim.SGD(model.parameters(), lr=0.01), runtimes[label])
         closers.append(strategy)
 
         def step(model: nn.Module = model, strategy: Any = strategy) -> None:
             strategy.step(lambda: loss_of(model, x, y), len(x), len(x) * world)
 
         steps[label] = step
-    return steps, closers
+    return steps, closers + last, runtimes
 
 
 def tx_bytes() -> int:
@@ -184,16 +222,18 @@ def tx_bytes() -> int:
 
 def worker(args: argparse.Namespace) -> None:
     import gradhub
+    from gradhub.collective.transport import chosen
 
     torch.set_num_threads(1)
     secret = Path(args.secret_file).read_bytes().strip()
     with gradhub.init(timeout=600) as runtime:
         only = set(args.only.split(",")) if args.only else set(CONTENDERS)
         batch = args.batch if args.model == "mlp" else args.seqs
-        fns, closers = contenders(args.model, runtime, args.server, secret, batch, only)
+        fns, closers, runtimes = contenders(args.model, runtime, args.server, secret, batch, only)
         for fn in fns.values():  # warm-up: allocations, gloo pairs, PowerSGD's first steps
             for _ in range(3):
                 fn()
+        transports = {n: chosen(r.group) for n, r in runtimes.items() if n in ON_TRANSPORT}
         names = [n for n in CONTENDERS if n in fns]
         times: dict[str, list[list[float]]] = {n: [] for n in names}
         sent: dict[str, list[float]] = {n: [] for n in names}
@@ -214,7 +254,7 @@ def worker(args: argparse.Namespace) -> None:
             c.close()
         if runtime.rank == 0:
             params = sum(p.numel() for p in make_model(args.model).parameters())
-            report = {"params": params, "times": times, "sent": sent}
+            report = {"params": params, "times": times, "sent": sent, "transports": transports}
             Path(args.result).write_text(json.dumps(report))
 
 
@@ -223,6 +263,7 @@ def run_one(
     cluster: Any,
     model: str,
     per_host: int,
+    interleaved: bool,
     rounds: int,
     steps: int,
     secret: Path,
@@ -251,11 +292,12 @@ def run_one(
                    "--only", only, "--batch", str(batch), "--seqs", str(seqs)]  # fmt: skip
     try:
         for rank in range(world):
-            host = hosts[rank // per_host]
+            where, local = (rank % 2, rank // 2) if interleaved else divmod(rank, per_host)
+            host = hosts[where]
             env = {
                 "RANK": str(rank),
                 "WORLD_SIZE": str(world),
-                "LOCAL_RANK": str(rank % per_host),
+                "LOCAL_RANK": str(local),
                 "LOCAL_WORLD_SIZE": str(per_host),
                 "MASTER_ADDR": hosts[0].addr,
                 "MASTER_PORT": str(port),
@@ -300,6 +342,7 @@ def summarise(report: dict[str, Any], rate: str, layout: str, model: str) -> lis
                 "model": LABELS[model],
                 "params": report["params"],
                 "method": name,
+                "transport": report.get("transports", {}).get(name, OTHER_PATHS.get(name, "?")),
                 "median_step_ms": med * 1e3,
                 "spread_ms": [min(medians) * 1e3, max(medians) * 1e3],
                 "mb_sent_per_step": statistics.median(report["sent"][name]) / 1e6,
@@ -312,15 +355,15 @@ def summarise(report: dict[str, Any], rate: str, layout: str, model: str) -> lis
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| link | hosts x ranks | model | method | median step (ms) | round medians (ms) "
-        "| MB sent by host 0 per step | speed-up vs DDP fp32 |",
-        "| --- | --- | --- | --- | ---: | ---: | ---: | ---: |",
+        "| link | hosts x ranks | model | method | transport | median step (ms) "
+        "| round medians (ms) | MB sent by host 0 per step | speed-up vs DDP fp32 |",
+        "| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         lo, hi = r["spread_ms"]
         lines.append(
             f"| {r['rate']} | {r['layout']} | {r['model']} ({r['params'] / 1e6:.1f}M) "
-            f"| {r['method']} | {r['median_step_ms']:.0f} | {lo:.0f}-{hi:.0f} "
+            f"| {r['method']} | {r['transport']} | {r['median_step_ms']:.0f} | {lo:.0f}-{hi:.0f} "
             f"| {r['mb_sent_per_step']:.2f} | {r['speedup_vs_ddp']:.2f}x |"
         )
     return "\n".join(lines)
@@ -329,7 +372,11 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rates", default="1gbit,10gbit")
-    p.add_argument("--layouts", default="2x1", help="comma-separated HOSTSxRANKS, e.g. 2x1,2x2")
+    p.add_argument(
+        "--layouts",
+        default="2x1",
+        help="comma-separated HOSTSxRANKS, e.g. 2x1,2x2 (2x2i: ranks interleaved over the hosts)",
+    )
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--only", help="comma-separated contenders to run (default: all)")
     p.add_argument("--batch", type=int, default=64, help="MLP samples per rank and step")
@@ -360,7 +407,7 @@ def main() -> None:
         secret = tmp / "secret"
         secret.write_bytes(os.urandom(16).hex().encode())
         for layout in args.layouts.split(","):
-            per_host = int(layout.split("x")[1])
+            per_host = int(layout.split("x")[1].rstrip("i"))
             with Cluster(3, rate=None) as cluster:
                 for rate in args.rates.split(","):
                     cluster.set_rate(rate)
@@ -369,6 +416,7 @@ def main() -> None:
                             cluster,
                             model,
                             per_host,
+                            layout.endswith("i"),
                             args.rounds,
                             args.steps,
                             secret,

@@ -1,9 +1,10 @@
-"""The hierarchical transport on real processes, hosts faked with GRADHUB_HOST_ID.
+"""Transports across hosts on real processes, hosts faked with GRADHUB_HOST_ID.
 
-4 ranks as 2 "hosts" x 2 ranks on this machine (the shared memory inside a
-host is real; the ring between hosts runs over loopback). The emulated
-cluster (test_multihost.py) runs the same path across network namespaces and
-counts the bytes between hosts.
+4 ranks as 2 "hosts" x 2 ranks on this machine take the hierarchical path
+(the shared memory inside a host is real; the ring between hosts runs over
+loopback); as 4 hosts x 1 rank they take the flat ring. The emulated cluster
+(test_multihost.py) runs the same paths across network namespaces, with the
+flat ring forced by GRADHUB_TRANSPORT, and counts the bytes between hosts.
 """
 
 from __future__ import annotations
@@ -131,8 +132,10 @@ def job(rank: int, world_size: int, port: int, ring_port: int) -> dict[str, obje
                 all_reduce(z, group=group).wait()  # default options: small vectors too
                 out[f"{size}/all_reduce"] = z
         chosen = transport.chosen(group)
-    # The same fake hosts, the flat ring forced: the flat ring's bits.
-    with local_group(rank, world_size, ring_port, timeout=60, transport="ring") as group:
+    # One rank per host: the flat ring, with the bits of one host (shared memory
+    # gives the ring's bits: test_collective_shm.py).
+    os.environ["GRADHUB_HOST_ID"] = f"host-{rank}"
+    with local_group(rank, world_size, ring_port, timeout=60) as group:
         flat = rank_values(SIZES[-1], rank)
         all_reduce(flat, group=group).wait()
         flat_chosen = transport.chosen(group)
@@ -147,12 +150,12 @@ def job(rank: int, world_size: int, port: int, ring_port: int) -> dict[str, obje
     }
 
 
-def test_two_hosts_of_two_ranks_sum_each_host_first_with_the_same_bits_everywhere() -> None:
+def test_two_hosts_of_two_ranks_sum_each_host_first_and_one_rank_per_host_takes_the_ring() -> None:
     results = [r.value for r in run_ranks(job, 4, free_port(), free_port(), timeout=240)]
     for r in results:
         assert r["chosen"] == "hierarchical", r
         assert r["bad"] == [], r["bad"]
-        # The flat ring forced on the same hosts keeps the flat ring's bits.
+        # 4 hosts x 1 rank: the flat ring, bit-identical to one host.
         assert r["flat_chosen"] == "ring" and r["flat_bits"], r
     # Every rank holds the same bits, for every codec, size and in/out of place.
     assert len({r["digest"] for r in results}) == 1

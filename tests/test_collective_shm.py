@@ -277,27 +277,7 @@ def test_two_groups_used_concurrently() -> None:
 
 
 # ----------------------------------------------------------------- hosts
-def hosts_job(rank: int, world_size: int, port: int, shm_port: int) -> dict[str, object]:
-    torch.set_num_threads(1)
-    # One rank per host (2 x 2 takes the hierarchical path: test_collective_hierarchical.py)
-    os.environ["GRADHUB_HOST_ID"] = f"host-{rank}"
-    x = rank_values(100_003, rank)
-    with local_group(rank, world_size, port, timeout=60) as group:
-        y = x.clone()
-        all_reduce(y, group=group).wait()
-        chosen = transport.chosen(group)
-    os.environ["GRADHUB_HOST_ID"] = "one-host"
-    with local_group(rank, world_size, shm_port, timeout=60) as group:
-        z = x.clone()
-        all_reduce(z, group=group).wait()
-        one_host = transport.chosen(group)
-    return {"chosen": chosen, "one_host": one_host, "same": torch.equal(y, z)}
-
-
-def test_ranks_on_different_hosts_take_the_ring_with_the_same_bits() -> None:
-    results = run_ranks(hosts_job, 4, free_port(), free_port(), timeout=120)
-    for r in results:
-        assert r.value == {"chosen": "ring", "one_host": "shm", "same": True}, r.value
+# Ranks on several hosts: test_collective_hierarchical.py.
 
 
 def test_transport_names_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
