@@ -51,6 +51,15 @@ def test_run_refuses_bad_arguments_before_starting_anything(
     assert "lr must be positive" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["run", "-n", "2", "--ps-mode", "eventually", str(script)])
+    assert main(["run", "-n", "2", "--max-restarts", "-1", str(script)]) == 2
+    assert "--max-restarts must be >= 0, got -1" in capsys.readouterr().err
+
+
+def test_run_help_describes_restarts(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--max-restarts N when a worker fails, restart all workers, up to N times" in text
 
 
 @pytest.mark.slow

@@ -10,6 +10,8 @@ import torch
 
 import gradhub
 from fit_jobs import data, fit_kinds, mlp
+from gradhub.train.checkpoint import CheckpointDir
+from gradhub.train.metrics import read_metrics
 from harness import run_ranks
 
 
@@ -66,3 +68,53 @@ def test_fit_settings_errors_and_run_folders(tmp_path: Path) -> None:
     assert again.steps == first.steps and again.start_step == first.steps
     assert again.train_loss == pytest.approx(first.train_loss)
     assert again.train_accuracy == pytest.approx(first.train_accuracy)
+
+
+def test_fit_checkpoints_and_resumes_on_its_own_when_torchrun_may_restart_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """torchrun's agent says in the workers' environment how many restarts it
+    allows and which attempt this is (``gradhub run --max-restarts 1``)."""
+    x, y = data()  # 24 samples in batches of 8: 3 steps per epoch
+    run = tmp_path / "run"
+
+    def attempt(restart: int, epochs: int, **settings: object) -> gradhub.FitResult:
+        monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(restart))
+        model = mlp()
+        with gradhub.init(timeout=10) as runtime:
+            assert (runtime.restart, runtime.max_restarts) == (restart, 1)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            with gradhub.DataParallelTrainer(model, opt, runtime=runtime) as trainer:
+                kw = {"batch_size": 8, "run_dir": run, "progress": False, **settings}
+                return trainer.fit((x, y), epochs=epochs, **kw)
+
+    first = attempt(0, 2)  # checkpoints on by default, under the run folder
+    assert first.restarts == 0 and first.steps == 6
+    folder = run / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "step-00000003.rank0.pt",
+        "step-00000006.rank0.pt",
+    ]
+    again = attempt(1, 3)  # a restarted worker: same run folder, no resume=True needed
+    assert (again.start_step, again.steps, again.restarts) == (6, 9, 1)
+    records = read_metrics(run)[0]
+    assert [(r["restart"], r["step"]) for r in records if r["kind"] == "restart"] == [(1, 6)]
+    assert records[-1]["kind"] == "summary" and records[-1]["restarts"] == 1
+
+    # Automatic checkpoints turned off: a restart starts over, as under plain torchrun.
+    with caplog.at_level("WARNING", logger="gradhub.train.fit"):
+        over = attempt(1, 1, resume_on_restart=False, run_dir=tmp_path / "other")
+    assert over.start_step == 0 and not (tmp_path / "other" / "checkpoints").exists()
+    assert "resume_on_restart=False: a restarted worker starts over from step 0" in caplog.text
+
+
+def test_a_resumed_rank_drops_its_checkpoints_after_the_common_step(tmp_path: Path) -> None:
+    # Step 9 was written by this rank only before the job died; the job resumes
+    # from 6 and writes 9 again, which must not sit beside the old one.
+    ckpt = CheckpointDir(path=tmp_path, rank=1, keep=3)
+    for step in (3, 6, 9):
+        ckpt.save(step, {"weights": torch.full((2,), float(step))})
+    ckpt.discard_after(6)
+    assert ckpt.steps() == [3, 6]
+    assert ckpt.load(6)["weights"].tolist() == [6.0, 6.0]

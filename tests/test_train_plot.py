@@ -19,7 +19,9 @@ def test_segments_break_where_the_count_restarts() -> None:
 
 
 def test_plot_axes_follow_the_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    lines = [{"kind": "step", "step": s, "loss": 2.0 / s} for s in (1, 2, 3, 1, 2)]
+    lines = [{"kind": "step", "step": s, "loss": 2.0 / s} for s in (1, 2, 3)]
+    lines += [{"kind": "restart", "restart": 1, "step": 0}]  # resumed from no checkpoint
+    lines += [{"kind": "step", "step": s, "loss": 2.0 / s} for s in (1, 2)]
     lines += [
         {"kind": "epoch", "epoch": e, "eval_loss": 1.0 / (e + 1), "eval_accuracy": 0.3 + 0.1 * e}
         for e in range(3)
@@ -31,7 +33,10 @@ def test_plot_axes_follow_the_data(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: saved.append(fig))
     plot_run(tmp_path)
     loss, eval_loss, acc = saved[0].axes
-    assert len(loss.lines) == 2  # the restart is a second segment, not a line back to step 1
+    curves = [line for line in loss.lines if line.get_label() != "restart"]
+    assert len(curves) == 2  # the restart is a second segment, not a line back to step 1
+    marks = [line for line in loss.lines if line.get_label() == "restart"]
+    assert [list(m.get_xdata()) for m in marks] == [[0, 0]]  # where it resumed from
     low, high = acc.get_ylim()
     assert low < 0.3 and 0.5 < high < 0.6  # from the data (it was fixed at 0.8-1.0)
     assert all(t == int(t) for t in acc.get_xticks())

@@ -2,8 +2,18 @@
 
 :func:`launch` is what ``gradhub run`` and ``gradhub demo`` call. It does not
 manage worker processes itself: it hands them to ``torch.distributed.run``
-(static rendezvous on 127.0.0.1, no restarts), so a script that works here
-works unchanged under ``torchrun --nnodes ...``.
+(static rendezvous on 127.0.0.1), so a script that works here works
+unchanged under ``torchrun --nnodes ...``.
+
+Restarts (``max_restarts=N``, ``gradhub run --max-restarts N``) are
+torchrun's elastic agent's: when a worker fails, the agent stops the others
+and starts every worker again, up to N times; the job succeeds if an attempt
+does. A restarted worker knows it is one from the agent's standard
+environment (``TORCHELASTIC_RESTART_COUNT``, :attr:`gradhub.Runtime.restart`);
+``fit`` then resumes from the last checkpoint every rank has (see
+:mod:`gradhub.train.fit`). The parameter servers are this process's, not the
+agent's: they keep running across restarts, and the addresses published in
+the agent's store (which outlives the workers) stay valid.
 
 With ``servers > 0`` it first starts that many parameter servers on loopback
 (:func:`gradhub.ps.launch.start_server`), then publishes their addresses in
@@ -28,8 +38,8 @@ addresses in the workers' store; the other nodes start none. Under the
 rank-0 node creates after the rendezvous (not necessarily node rank 0); its
 address is read from the rendezvous store, where torchrun puts it under
 ``torch.rendezvous.<run id>.<round>/MASTER_ADDR`` and ``.../MASTER_PORT``
-(round 0: jobs launched here do not restart). Under ``static`` the store is
-the endpoint itself.
+(round 0: torchrun keeps that store across restarts while the node that hosts
+it stays in the job). Under ``static`` the store is the endpoint itself.
 """
 
 from __future__ import annotations
@@ -85,6 +95,8 @@ class LaunchConfig:
     """Job id shared by the nodes of one job (c10d)."""
     local_addr: str | None = None
     """This node's address as other nodes reach it (default: worked out from the endpoint)."""
+    max_restarts: int = 0
+    """Times torchrun's agent restarts every worker after one fails (0: a failure ends the job)."""
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
@@ -107,6 +119,11 @@ class LaunchConfig:
             raise ValueError(
                 "parameter servers of a multi-node job listen on this node's network address; "
                 "give them a shared secret (--ps-secret-file), and the workers the same one"
+            )
+        if self.max_restarts < 0:
+            raise ValueError(
+                f"--max-restarts must be >= 0, got {self.max_restarts}\n- help: 0 ends the "
+                "job at the first failed worker; N > 0 restarts the workers up to N times"
             )
         if self.servers < 0:
             raise ValueError(f"--servers must be >= 0, got {self.servers}")
@@ -199,14 +216,15 @@ def torchrun_args(config: LaunchConfig, port: int, place: NodePlace | None = Non
             args.append(f"--rdzv-conf=is_host={int(place.is_host)}")
         else:
             args += [f"--master-addr={place.endpoint_addr}", f"--master-port={place.endpoint_port}"]
-    args += ["--max-restarts=0", "--monitor-interval=0.5"]
+    args += [f"--max-restarts={config.max_restarts}", "--monitor-interval=0.5"]
     if config.module:
         args.append("--module")
     return args + list(config.target)
 
 
 def launch(config: LaunchConfig) -> int:
-    """Run the job to the end; returns 0 on success, 1 if a worker failed."""
+    """Run the job to the end; returns 0 on success (after restarts, if any), 1 if a
+    worker failed and no restart was left."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 

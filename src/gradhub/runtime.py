@@ -4,7 +4,9 @@ Every subsystem joins the job through this module:
 
 - :func:`init` (``gradhub.init()``): a training script calls it once. It reads
   torchrun's standard environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-  ``MASTER_ADDR``, ``MASTER_PORT``) and nothing else, sets up the default
+  ``MASTER_ADDR``, ``MASTER_PORT``, and the elastic agent's
+  ``TORCHELASTIC_RESTART_COUNT`` / ``TORCHELASTIC_MAX_RESTARTS``, which tell a
+  restarted worker that it is one) and nothing else, sets up the default
   process group (gloo on CPU, NCCL on GPU) and returns a :class:`Runtime`
   that strategies and the trainer take their rank, device, store and
   :class:`~gradhub.collective.group.CollectiveGroup` from.
@@ -186,6 +188,11 @@ def init_process_group_from_env(
         except RuntimeError as exc:
             where = f"env:// at {environ['MASTER_ADDR']}:{environ['MASTER_PORT']}"
             raise _joined(where, rank, limit, exc) from exc
+        attempt = _env_int(environ, "TORCHELASTIC_RESTART_COUNT", 0)
+        if attempt:
+            # torchrun's agent keeps its store across restarts: this attempt must
+            # not read the last one's keys (gloo's addresses, check-ins).
+            store = dist.PrefixStore(f"gradhub/attempt-{attempt}", store)
     else:
         host, port = environ["MASTER_ADDR"], int(environ["MASTER_PORT"])
         store = _tcp_store(host, port, world_size, rank, limit)
@@ -253,6 +260,12 @@ class Runtime:
     """The default process group with its check-ins; collectives of the job use it."""
     owns_group: bool = field(default=True, repr=False)
     """Whether :meth:`close` destroys the process group (this runtime created it)."""
+    restart: int = 0
+    """How many times torchrun's agent has restarted this job's workers
+    (``TORCHELASTIC_RESTART_COUNT``; 0 on the first attempt)."""
+    max_restarts: int = 0
+    """How many restarts the agent allows (``TORCHELASTIC_MAX_RESTARTS``, set by
+    ``gradhub run --max-restarts N``; 0: a failed worker ends the job)."""
     _closed: bool = field(default=False, repr=False)
     _waits: CollectiveGroup | None = field(default=None, repr=False)
 
@@ -348,6 +361,8 @@ def init(*, backend: str | None = None, timeout: float | None = None) -> Runtime
         store=store,
         group=group,
         owns_group=group.owns_process_group,
+        restart=_env_int(os.environ, "TORCHELASTIC_RESTART_COUNT", 0),
+        max_restarts=_env_int(os.environ, "TORCHELASTIC_MAX_RESTARTS", 0),
     )
     log.debug("rank %d: joined %s", runtime.rank, runtime)
     return runtime

@@ -28,6 +28,16 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("-n", "--nproc", type=int, required=True, help="worker processes (on this node)")
     p.add_argument("--servers", type=int, default=0, help="parameter servers to start first")
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="when a worker fails, restart all workers, up to N times (torchrun's elastic "
+        "agent); fit() then checkpoints (into checkpoint_dir, default run_dir/checkpoints) "
+        "and resumes from the last checkpoint every rank has; parameter servers keep "
+        "running (default: 0, a failed worker ends the job)",
+    )
     ps = p.add_argument_group("parameter servers (with --servers)")
     add_config_flags(
         ps,
@@ -82,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
             rdzv_endpoint=args.rdzv_endpoint,
             rdzv_id=args.rdzv_id,
             local_addr=args.local_addr,
+            max_restarts=args.max_restarts,
         )
         return launch(config)
     except (ValueError, OSError) as exc:

@@ -31,6 +31,10 @@ Decisions:
   the key's lane, so it reflects that client's earlier pushes (a sync push
   once its round is applied); ``SET_STATE`` is applied exactly once and
   logged, as a push. Wire format: :mod:`gradhub.ps.optim_state`.
+- Counters count since this server process started (they are not in the
+  checkpoint). ``stats()["push_applied_by_worker"]`` splits ``push_applied`` by
+  worker id (a string: the report is JSON), all sessions of a worker together,
+  so a job whose workers were restarted can check that no push was lost.
 """
 
 from __future__ import annotations
@@ -101,6 +105,7 @@ class Service:
         )
         self.ledger = Ledger()
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self.pushes_by_worker: dict[int, int] = {}
         self.incarnation = 0
         self._durable: dict[int, tuple[int, int]] = {}
         self._snapshots: dict[str, torch.Tensor] = {}
@@ -176,6 +181,7 @@ class Service:
             "parked_pulls": len(self._rounds),
             "waiting_for_init": len(self._inits),
             "counters": dict(self.counters),
+            "push_applied_by_worker": {str(w): n for w, n in sorted(self.pushes_by_worker.items())},
             **self.consistency.summary(),
         }
 
@@ -258,6 +264,7 @@ class Service:
         self.ledger.mark(h.worker_id, h.session, h.seq)
         self._dirty = True
         self.counters["push_applied"] += 1
+        self.pushes_by_worker[h.worker_id] = self.pushes_by_worker.get(h.worker_id, 0) + 1
         self._reply(msg, aux=self._durable_low(h.worker_id, h.session))
         self._wake(msg.key)
 

@@ -83,6 +83,13 @@ class CheckpointDir:
             self.file(old).unlink(missing_ok=True)
         return target
 
+    def discard_after(self, step: int) -> None:
+        """Delete this rank's checkpoints of steps after ``step`` (a resumed job
+        writes those steps again; the old files must not mix with the new ones)."""
+        for later in self.steps():
+            if later > step:
+                self.file(later).unlink(missing_ok=True)
+
     def load(self, step: int, rank: int | None = None) -> dict[str, Any]:
         """The state in the file of ``step`` written by ``rank`` (default: this rank)."""
         state: dict[str, Any] = torch.load(

@@ -38,6 +38,27 @@ Batches and outputs (decisions):
   checkpoint resumed by 3 ranks): each file holds the model and the full
   optimizer state, and ``batch_size`` is global, so the remaining steps see
   the same global batches.
+
+Restarts (torchrun's elastic agent, ``gradhub run --max-restarts N``):
+- When the agent may restart the workers (``TORCHELASTIC_MAX_RESTARTS`` > 0),
+  checkpoints are on by default: into ``checkpoint_dir``, or
+  ``run_dir/checkpoints`` when none is given, at the end of every epoch (or
+  every ``checkpoint_every`` steps).
+- A restarted worker (``TORCHELASTIC_RESTART_COUNT`` > 0) resumes as with
+  ``resume=True``, and continues the metrics files. Newer checkpoint files
+  (written before the failure by some ranks only) are deleted, so a later
+  restart cannot mix them with the files written again.
+- Under ``ps-*`` the servers hold the parameters and the optimizer state, and
+  they kept running: a restarted worker takes from the checkpoint only the
+  step (and the LR scheduler), then pulls the servers' current values, so
+  nothing a server acknowledged is lost. The steps after the checkpoint are
+  trained again; their pushes are new pushes.
+- Every rank's metrics get a ``{"kind": "restart", "restart": k, "step": s}``
+  record (``s``: the step resumed from), and ``FitResult.restarts`` (in the
+  summary record) counts the restarts.
+- With ``resume_on_restart=False``, or without ``run_dir`` and
+  ``checkpoint_dir``, a restarted worker starts over from step 0, as a
+  plain script under torchrun does; rank 0 logs a warning saying so.
 """
 
 from __future__ import annotations
@@ -46,6 +67,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -166,22 +188,40 @@ class FitRun:
             for m in cfg.metrics
         ]
         self.metric_fns: dict[str, Metric] = {n: fn for n, fn in named if not isinstance(fn, str)}
+        folder, self.resuming = self._checkpoint_plan()
         self._check_run_dir()
         self.metrics = MetricsWriter(cfg.run_dir, runtime.rank)
-        self.ckpt = (
-            CheckpointDir(path=cfg.checkpoint_dir, rank=runtime.rank)
-            if cfg.checkpoint_dir is not None
-            else None
-        )
+        self.ckpt = CheckpointDir(path=folder, rank=runtime.rank) if folder is not None else None
         self.autocast = (
             torch.autocast(runtime.device.type, dtype=torch.bfloat16)
             if cfg.precision == "bf16"
             else contextlib.nullcontext()
         )
 
+    def _checkpoint_plan(self) -> tuple[Path | None, bool]:
+        """(checkpoint folder or ``None``, whether to resume): see "Restarts" above."""
+        cfg, rt = self.cfg, self.rt
+        folder = cfg.checkpoint_dir
+        if rt.max_restarts == 0 or not cfg.resume_on_restart:
+            if rt.max_restarts and rt.is_main:
+                self.log.warning(
+                    "resume_on_restart=False: a restarted worker starts over from step 0"
+                )
+            return folder, cfg.resume
+        if folder is None and cfg.run_dir is not None:
+            folder = cfg.run_dir / "checkpoints"
+        if folder is None and rt.is_main:
+            self.log.warning(
+                "torchrun may restart this job (max %d restarts) but fit() has neither "
+                "run_dir nor checkpoint_dir: a restarted worker starts over from step 0",
+                rt.max_restarts,
+            )
+        return folder, cfg.resume or (rt.restart > 0 and folder is not None)
+
     def _check_run_dir(self) -> None:
         used = 0.0
-        if self.cfg.run_dir is not None and not self.cfg.resume:
+        # A restarted worker continues the metrics of the attempt before it.
+        if self.cfg.run_dir is not None and not self.cfg.resume and not self.rt.restart:
             used = float(
                 any(metrics_file(self.cfg.run_dir, r).exists() for r in range(self.rt.world_size))
             )
@@ -195,22 +235,28 @@ class FitRun:
     # checkpoints -------------------------------------------------------------------
 
     def resume(self) -> tuple[int, dict[str, Any]]:
-        if not (self.cfg.resume and self.ckpt is not None):
+        if not (self.resuming and self.ckpt is not None):
             return 0, {}
         found: list[tuple[int, int] | None] = [None]
         if self.rt.is_main:  # one reader decides; the folder is shared by the ranks
             found[0] = self.ckpt.latest_complete()
         if self.rt.world_size > 1:
             dist.broadcast_object_list(found, src=0)
+        self.ckpt.discard_after(found[0][0] if found[0] is not None else 0)
         if found[0] is None:
             self.log.info("no complete checkpoint in %s: starting fresh", self.ckpt.path)
             return 0, {}
         step, written_by = found[0]
         # Every file holds the whole state: another world size reads the files it has.
         state = self.ckpt.load(step, rank=self.rt.rank % written_by)
-        self.model.load_state_dict(state["model"])
-        if "optimizer" in state:
-            self.opt.load_state_dict(state["optimizer"])
+        if self.rt.restart and self.strategy.state_outlives_workers:
+            # The servers kept running: their values and optimizer state hold every
+            # update acknowledged since this checkpoint. Take those, not the file's.
+            self.strategy.refresh()
+        else:
+            self.model.load_state_dict(state["model"])
+            if "optimizer" in state:
+                self.opt.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self.strategy.steps = step
@@ -325,6 +371,17 @@ class FitRun:
         batches = train.steps_per_epoch()
         per_epoch = -(-batches // cfg.accumulate) if batches is not None else None
         start, last = self.resume()
+        if rt.restart:
+            self.metrics.write(
+                "restart", restart=rt.restart, max_restarts=rt.max_restarts, step=start
+            )
+            if rt.is_main:
+                self.log.warning(
+                    "restart %d of at most %d: continuing from step %d",
+                    rt.restart,
+                    rt.max_restarts,
+                    start,
+                )
         step = start
         self.model.train()
         bar = tqdm(
@@ -384,6 +441,7 @@ class FitRun:
             eval_accuracy=last.get("eval_accuracy"),
             wall_time=wall,
             samples_per_s=seen * rt.world_size / wall if wall > 0 and seen else 0.0,
+            restarts=rt.restart,
             history=history,
         )
         summary = {k: v for k, v in vars(result).items() if k != "history"}

@@ -8,8 +8,10 @@ on ``eval_data`` per epoch; one curve per job.
 Decisions: every axis takes its range from the data (log scale for a loss
 only when all its values are positive); epoch axes have whole-number ticks; a
 curve is broken where the step count starts again (records of two runs in one
-folder) instead of drawing a line back; a job without evaluation accuracy
-(a regression) has no accuracy curve.
+folder, or a job restarted from a checkpoint) instead of drawing a line back;
+a restart (a ``"restart"`` record) is a dotted vertical line at the step it
+resumed from; a job without evaluation accuracy (a regression) has no
+accuracy curve.
 """
 
 from __future__ import annotations
@@ -76,12 +78,17 @@ def plot_run(run_dir: Path, output: Path | None = None) -> Path:
 
     fig, (ax_loss, ax_eval_loss, ax_acc) = plt.subplots(1, 3, figsize=(15, 4.2))
     losses: list[float] = []
+    restarted = False
     for name, ranks in jobs.items():
         records = ranks[min(ranks)]
         steps = [r for r in records if r["kind"] == "step" and r.get("loss") is not None]
         epochs = [r for r in records if r["kind"] == "epoch"]
         step_parts = [[(r["step"], r["loss"]) for r in part] for part in segments(steps, "step")]
         _draw(ax_loss, step_parts, name, lw=0.8)
+        for i, r in enumerate(r for r in records if r["kind"] == "restart"):
+            label = "restart" if i == 0 and not restarted else None
+            ax_loss.axvline(r["step"], ls=":", lw=1.0, color="0.4", label=label)
+            restarted = True
         losses += [r["loss"] for r in steps]
         for ax, key in ((ax_eval_loss, "eval_loss"), (ax_acc, "eval_accuracy")):
             kept = [r for r in epochs if r.get(key) is not None]

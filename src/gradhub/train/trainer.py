@@ -19,6 +19,8 @@ Decisions where the design was silent:
 - A resumed job continues at the step after the latest checkpoint that every
   rank has (data order depends only on seed, epoch and step, so the same
   batches follow). Random state of the model itself (dropout) is not restored.
+- A job that torchrun may restart (``gradhub run --max-restarts N``) resumes
+  on its own: see :mod:`gradhub.train.fit`.
 - Evaluation splits ``eval_data`` across ranks and sums counts with one
   all-reduce per epoch; every rank logs the same global numbers.
 """
@@ -57,11 +59,17 @@ class FitConfig:
     run_dir: Path | None = None
     """Folder for metrics (JSON lines per rank); ``None`` writes none."""
     checkpoint_dir: Path | None = None
-    """Folder for checkpoints; ``None`` writes none."""
+    """Folder for checkpoints; ``None`` writes none, unless the job can restart
+    (see ``resume_on_restart``): then ``run_dir/checkpoints``."""
     checkpoint_every: int = 0
     """Checkpoint every this many steps; 0 means at the end of each epoch."""
     resume: bool = False
     """Continue from the latest checkpoint every rank has (fresh start if none)."""
+    resume_on_restart: bool = True
+    """When torchrun may restart the workers (``gradhub run --max-restarts N``,
+    N > 0): checkpoint, and let restarted workers resume from the latest
+    checkpoint every rank has. ``False``: no automatic checkpoints, and a
+    restarted worker starts over from step 0 (torchrun's plain behaviour)."""
     progress: bool = True
     """Show a progress bar on rank 0."""
     log_every: int = 1
@@ -131,6 +139,9 @@ class FitResult:
     """Seconds spent in the training loop of this call."""
     samples_per_s: float
     """Global training samples per second over this call."""
+    restarts: int = 0
+    """Times torchrun restarted the job's workers before this attempt
+    (``TORCHELASTIC_RESTART_COUNT``)."""
     history: list[dict[str, Any]] = field(default_factory=list)
     """One record per epoch."""
 

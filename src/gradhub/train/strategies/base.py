@@ -74,6 +74,11 @@ class Strategy(abc.ABC):
     needs_optimizer: ClassVar[bool] = True
     """Whether :meth:`setup` requires the user's optimizer."""
 
+    state_outlives_workers: ClassVar[bool] = False
+    """Whether the parameters and optimizer state live outside the worker
+    processes (the parameter servers of ``ps-*``), so that they outlive a
+    worker restart and a restarted worker takes them from there."""
+
     def __init__(self) -> None:
         self._runtime: Runtime | None = None
         self._closed = False

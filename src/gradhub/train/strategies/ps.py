@@ -125,6 +125,7 @@ def published_addresses(timeout: float = 10.0) -> list[str] | None:
 class _PSStrategy(Strategy):
     mode: ClassVar[str]
     needs_optimizer = False
+    state_outlives_workers = True
 
     def __init__(self, config: PSConfig | None = None, **options: Any) -> None:
         super().__init__()

@@ -1,0 +1,95 @@
+"""Jobs that survive a dead worker: ``gradhub run --max-restarts 1``.
+
+In ``restart_job.py`` (the digits MLP, 3 workers, 2 epochs of 23 steps:
+1437 training samples in global batches of 64) rank 1 SIGKILLs itself right
+after step 30 on the first attempt. torchrun's agent restarts every worker;
+``fit`` checkpointed at the end of epoch 0 (on by default when restarts are
+allowed) and every rank resumes from step 23.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from gradhub.cli.main import main
+from gradhub.demo.job import make_mlp
+from gradhub.demo.threads import load_digits_split
+from gradhub.train.data import Source
+from gradhub.train.metrics import read_metrics
+
+JOB = str(Path(__file__).with_name("restart_job.py"))
+KILLED, KILL_STEP, EPOCHS, CHECKPOINT = 1, 30, 2, 23
+FAULT = ["--epochs", str(EPOCHS), "--kill-rank", str(KILLED), "--kill-step", str(KILL_STEP)]
+
+
+def _job(out: Path, strategy: str, *launch: str) -> dict[str, Any]:
+    args = ["run", "-n", "3", "--max-restarts", "1", *launch, JOB, "--strategy", strategy]
+    assert main([*args, "--out", str(out), *FAULT]) == 0
+    report: dict[str, Any] = json.loads((out / "result.json").read_text())
+    result = report["result"]
+    assert result["restarts"] == 1
+    assert (result["start_step"], result["steps"]) == (CHECKPOINT, EPOCHS * CHECKPOINT)
+    metrics = read_metrics(out / "run")
+    for records in metrics.values():  # every rank shows the restart, and where it resumed
+        restarts = [r for r in records if r["kind"] == "restart"]
+        assert [(r["restart"], r["step"]) for r in restarts] == [(1, CHECKPOINT)]
+    report["metrics"] = metrics
+    return report
+
+
+def _single_process(epochs: int) -> dict[str, torch.Tensor]:
+    """The same training in one process, uninterrupted: the same initial weights,
+    the same batches (fit's data order for world size 1), SGD with momentum."""
+    x, y, _, _ = load_digits_split(0.2, 0)
+    model = make_mlp(0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    source = Source((x, y), what="train_data", batch_size=64, seed=0, shuffle=True)
+    for epoch in range(epochs):
+        for step in source.epoch(epoch):
+            inputs, targets = step.batch
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+            optimizer.step()
+    return model.state_dict()
+
+
+@pytest.mark.slow
+def test_allreduce_job_resumes_from_its_checkpoint_after_a_worker_is_killed(
+    tmp_path: Path,
+) -> None:
+    _job(tmp_path, "allreduce")
+    got = torch.load(tmp_path / "final.pt")
+    want = _single_process(EPOCHS)
+    # The 3-rank step sums sample-weighted gradients in another order than one
+    # process does; after 46 steps the parameters differ by ~1.5e-7 (measured).
+    # Resuming from a checkpoint adds nothing (the same batches follow).
+    for name, value in want.items():
+        assert float((got[name] - value).abs().max()) <= 1e-5, name
+
+
+# Test accuracy of the same job without the fault: 4 runs gave 0.97-0.98
+# (ps-async is not deterministic: pushes interleave differently every run).
+PS_ASYNC_REFERENCE = 0.97
+
+
+@pytest.mark.slow
+def test_ps_async_job_survives_a_killed_worker_and_loses_no_acknowledged_push(
+    tmp_path: Path,
+) -> None:
+    report = _job(tmp_path, "ps-async", "--servers", "1", "--ps-mode", "async")
+    assert report["result"]["eval_accuracy"] >= PS_ASYNC_REFERENCE - 0.01
+    keys = len(list(make_mlp(0).parameters()))  # one push per parameter per step
+    applied = report["servers"][0]["push_applied_by_worker"]
+    for rank, records in report["metrics"].items():
+        # A step record is written once the step's pushes were acknowledged
+        # (and the pulls that follow them answered).
+        acknowledged = keys * sum(r["kind"] == "step" for r in records)
+        if rank == KILLED:  # it died with nothing in flight: exact
+            assert applied[str(rank)] == acknowledged
+        else:  # stopped by torchrun at any point: one step's pushes may be unacknowledged
+            assert acknowledged <= applied[str(rank)] <= acknowledged + keys
