@@ -109,7 +109,9 @@ def test_fit_checkpoints_and_resumes_on_its_own_when_torchrun_may_restart_it(
     assert "resume_on_restart=False: a restarted worker starts over from step 0" in caplog.text
 
 
-def test_a_resumed_rank_drops_its_checkpoints_after_the_common_step(tmp_path: Path) -> None:
+def test_a_resumed_rank_drops_its_checkpoints_after_the_step_it_resumes_from(
+    tmp_path: Path,
+) -> None:
     # Step 9 was written by this rank only before the job died; the job resumes
     # from 6 and writes 9 again, which must not sit beside the old one.
     ckpt = CheckpointDir(path=tmp_path, rank=1, keep=3)
