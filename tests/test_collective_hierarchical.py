@@ -2,7 +2,8 @@
 
 4 ranks as 2 "hosts" x 2 ranks on this machine take the hierarchical path
 (the shared memory inside a host is real; the ring between hosts runs over
-loopback); as 4 hosts x 1 rank they take the flat ring. The emulated cluster
+loopback), and name a rank killed in it; as 4 hosts x 1 rank they take the
+flat ring. The emulated cluster
 (test_multihost.py) runs the same paths across network namespaces, with the
 flat ring forced by GRADHUB_TRANSPORT, and counts the bytes between hosts.
 """
@@ -11,7 +12,11 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 import os
+import signal
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +26,7 @@ from gradhub.collective import all_gather, all_reduce, local_group, reduce_scatt
 from gradhub.collective.hierarchical import fits
 from gradhub.collective.hosts import HostLayout
 from gradhub.collective.schedule import reduction_order
+from gradhub.errors import WorkerFailedError
 from gradhub.partition import partition_ranges
 from harness import free_port, run_ranks
 
@@ -108,7 +114,9 @@ def check(out: dict[str, torch.Tensor], rank: int) -> list[str]:
     return bad
 
 
-def job(rank: int, world_size: int, port: int, ring_port: int) -> dict[str, object]:
+def job(
+    rank: int, world_size: int, port: int, ring_port: int, kill_port: int, folder: str
+) -> dict[str, object]:
     torch.set_num_threads(1)
     os.environ["GRADHUB_HOST_ID"] = f"host-{rank // 2}"
     out: dict[str, torch.Tensor] = {}
@@ -141,21 +149,51 @@ def job(rank: int, world_size: int, port: int, ring_port: int) -> dict[str, obje
         flat_chosen = transport.chosen(group)
     whole = sorted(k for k in out if not k.endswith("/rs"))  # slices differ by rank
     digest = hashlib.sha256(b"".join(out[k].numpy().tobytes() for k in whole))
-    return {
+    summary: dict[str, object] = {
         "chosen": chosen,
         "flat_chosen": flat_chosen,
         "flat_bits": torch.equal(flat, flat_reference(SIZES[-1])),
         "bad": check(out, rank),
         "digest": digest.hexdigest(),
     }
+    # Last, 2 x 2 again: rank 3 is killed (its summary saved first), the others
+    # run an all-reduce without it.
+    os.environ["GRADHUB_HOST_ID"] = f"host-{rank // 2}"
+    group = local_group(rank, world_size, kill_port, timeout=20)
+    x = torch.ones(100_000)
+    all_reduce(x, group=group).wait()
+    if rank == 3:
+        Path(folder, "rank3.json").write_text(json.dumps(summary))
+        os.kill(os.getpid(), signal.SIGKILL)
+    begin = time.monotonic()
+    with pytest.raises(WorkerFailedError) as info:
+        all_reduce(x, group=group).wait()
+    summary["elapsed"] = time.monotonic() - begin
+    summary["error"] = str(info.value)
+    group.close()
+    return summary
 
 
-def test_two_hosts_of_two_ranks_sum_each_host_first_and_one_rank_per_host_takes_the_ring() -> None:
-    results = [r.value for r in run_ranks(job, 4, free_port(), free_port(), timeout=240)]
+def test_two_hosts_of_two_ranks_sum_each_host_first_and_name_a_killed_rank(
+    tmp_path: Path,
+) -> None:
+    ports = [free_port() for _ in range(3)]
+    ranks = run_ranks(job, 4, *ports, str(tmp_path), timeout=240, check=False)
+    assert ranks[3].exitcode == -signal.SIGKILL
+    for r in ranks[:3]:
+        assert r.ok, r.error
+        # Rank 2 shares rank 3's host (shared memory sees its process end);
+        # ranks 0 and 1 are on the other host (rank 1's ring peer is rank 3,
+        # rank 0's is rank 2, which leaves alive and answers the roll call).
+        error = str(r.value["error"])
+        assert "rank(s) 3 died" in error or "rank 3 (pid" in error, error
+        assert float(r.value["elapsed"]) < 15, r.value  # not the 20 s timeout
+    results = [r.value for r in ranks[:3]] + [json.loads((tmp_path / "rank3.json").read_text())]
     for r in results:
         assert r["chosen"] == "hierarchical", r
         assert r["bad"] == [], r["bad"]
-        # 4 hosts x 1 rank: the flat ring, bit-identical to one host.
+        # 4 hosts x 1 rank: the flat ring, bit-identical to one host (one rank
+        # per host is the layout the hierarchical path does not fit).
         assert r["flat_chosen"] == "ring" and r["flat_bits"], r
     # Every rank holds the same bits, for every codec, size and in/out of place.
     assert len({r["digest"] for r in results}) == 1

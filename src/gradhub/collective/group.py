@@ -343,6 +343,18 @@ class CollectiveGroup:
             _log.debug("[rank %d] store unreachable during the roll call: %s", self.rank, exc)
             return ([0] if self.rank != 0 else []), []
 
+    def answer_roll_call(self, op: Operation) -> None:
+        """Answer ``op``'s roll call ahead of it: this rank is alive and leaves
+        ``op`` because it saw another rank fail (a transport that detects a
+        dead peer by itself calls this), so ranks that then lose their
+        connection to this one name the dead rank, not this one."""
+        if self.store is None:
+            return
+        try:
+            self.store.set(f"alive/{op.sequence}/{self.rank}", "1")
+        except RuntimeError as exc:  # the store's host is gone
+            _log.debug("[rank %d] cannot answer the roll call: %s", self.rank, exc)
+
     def _note(self, what: str) -> None:
         """Write ``what/<rank>`` (and this rank's roll-call answer) into the store."""
         if self.store is None:

@@ -46,6 +46,11 @@ bits (relative ~1e-7 of the sum's magnitude per addition). It is fixed run to
 run and identical on every rank. ``GRADHUB_TRANSPORT=ring`` (or
 ``transport="ring"``) keeps the flat ring and its bits.
 
+Failures: every wait is bounded by the operation's deadline, as on the ring
+and in shared memory. A rank that dies is named by the ranks of its host
+(shared memory watches its process) and by the ranks of other hosts (the
+ring's roll call: the dead rank's host mates answer it before they leave).
+
 Codecs: the host sums are fp32 (no wire inside a host); the codec applies to
 the ring between hosts only, rounding the partial sum once per hop as the
 ring does (``H - 1`` roundings instead of ``P - 1``); ``"fp16"`` divides the
@@ -54,7 +59,8 @@ host sums by ``P`` before and multiplies by ``P`` after, as the ring does.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -63,6 +69,7 @@ from gradhub.collective.group import CollectiveGroup, Operation
 from gradhub.collective.hosts import HostLayout
 from gradhub.collective.p2p_ring import ring_all_gather, ring_reduce_scatter
 from gradhub.collective.shm import ShmTransport
+from gradhub.errors import WorkerFailedError
 
 _PLAIN = codecs.NoCompression()
 
@@ -120,7 +127,8 @@ class HierarchicalTransport:
         columns = self._column_ranges(ranges)
         total = sum(n for _, n in columns)
         host_sums = self.group.scratch("hierarchical_sums", total, torch.float32)
-        self.local.reduce_scatter(op, flat, _PLAIN, self._owned(ranges), host_sums, hop=False)
+        with self._survivor(op):
+            self.local.reduce_scatter(op, flat, _PLAIN, self._owned(ranges), host_sums, hop=False)
         prescale = codec.wire_dtype == torch.float16
         if prescale:
             host_sums.div_(self.group.world_size)
@@ -146,7 +154,19 @@ class HierarchicalTransport:
         s, n = columns[self.column.index(self.group.rank)]
         wire[s : s + n].copy_(own_wire)
         ring_all_gather(self.group, op, wire, columns, pipeline, members=self.column)
-        self.local.all_gather(op, wire, codec, self._owned(ranges), out)
+        with self._survivor(op):
+            self.local.all_gather(op, wire, codec, self._owned(ranges), out)
+
+    @contextlib.contextmanager
+    def _survivor(self, op: Operation) -> Iterator[None]:
+        """A rank of this host that died: this rank leaves the operation alive
+        and says so in the roll call, so its peers on other hosts (whose ring
+        then loses this rank) name the dead rank, not this one."""
+        try:
+            yield
+        except WorkerFailedError:
+            self.group.answer_roll_call(op)
+            raise
 
     def close(self) -> None:
         """Release the shared memory. Idempotent."""
