@@ -19,6 +19,9 @@ All-gather runs ``P - 1`` steps. At step ``s`` rank ``r`` forwards chunk
 
 from __future__ import annotations
 
+import torch
+
+from gradhub import codecs
 from gradhub.partition import partition_ranges
 
 TAG_SEQ_BITS = 10
@@ -53,6 +56,51 @@ def reduction_order(chunk: int, world_size: int) -> list[int]:
     this order reproduces the ring's fp32 result bit for bit.
     """
     return [(chunk + 1 + i) % world_size for i in range(world_size)]
+
+
+def add_in_order(
+    parts: list[torch.Tensor],
+    own: torch.Tensor,
+    codec: codecs.Codec,
+    out: torch.Tensor,
+    *,
+    hop: bool,
+    scratch: torch.Tensor,
+) -> None:
+    """``out`` = the other ranks' ``parts`` (in :func:`reduction_order`) plus
+    ``own``, last, rounded as the ring rounds (for shared memory, which holds
+    every rank's values at once).
+
+    ``parts`` hold fp32 values, or wire values when ``hop`` is false and the
+    codec is lossy. ``hop``: the ring's point-to-point path (the partial sum
+    rounded to the codec once per hop; ``"fp16"`` divided by the number of
+    ranks before, multiplied after); else its collective path (each
+    contribution rounded once). ``out`` may be ``own``; ``scratch`` holds
+    ``own.numel()`` fp32 elements.
+    """
+    world_size = len(parts) + 1
+    if isinstance(codec, codecs.NoCompression):
+        acc = parts[0]
+        if world_size > 2:
+            acc = torch.add(parts[0], parts[1], out=scratch)
+            for part in parts[2:]:
+                acc.add_(part)
+        torch.add(acc, own, out=out)
+    elif hop:
+        prescale = codec.wire_dtype == torch.float16
+        last = torch.div(own, world_size) if prescale else own
+        acc = codec.decode(codec.encode(parts[0]))
+        for part in parts[1:]:
+            acc = codec.decode(codec.encode(acc.add_(part)))
+        torch.add(acc, last, out=out)
+        if prescale:
+            out.mul_(world_size)
+    else:
+        last = codec.decode(codec.encode(own))  # before out (maybe own) is written
+        out.copy_(codec.decode(parts[0]))
+        for part in parts[1:]:
+            out.add_(codec.decode(part))
+        out.add_(last)
 
 
 def sub_ranges(start: int, length: int, max_elements: int) -> list[tuple[int, int]]:

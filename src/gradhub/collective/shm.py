@@ -66,7 +66,7 @@ import torch
 from gradhub import codecs
 from gradhub.collective.group import CollectiveGroup, Operation
 from gradhub.collective.hosts import wait_for_keys
-from gradhub.collective.schedule import reduction_order
+from gradhub.collective.schedule import add_in_order, reduction_order
 from gradhub.collective.shm_memory import (
     Mapping,
     forgetting_views,
@@ -250,44 +250,11 @@ class ShmTransport:
         at = 0
         for s, n in owned[me]:
             parts = [regions[j][s : s + n] for j in order[:-1]]
-            self._sum(parts, flat[s : s + n], codec, out[at : at + n], hop=hop)
+            scratch = self.group.scratch("shm_acc", n, torch.float32)
+            add_in_order(parts, flat[s : s + n], codec, out[at : at + n], hop=hop, scratch=scratch)
             at += n
             del parts
         del regions, mine
-
-    def _sum(
-        self,
-        parts: list[torch.Tensor],
-        own: torch.Tensor,
-        codec: codecs.Codec,
-        out: torch.Tensor,
-        *,
-        hop: bool,
-    ) -> None:
-        """``out`` = the other ranks' ``parts`` (in order) plus ``own``, last."""
-        P, n = self.size, own.numel()
-        if isinstance(codec, codecs.NoCompression):
-            acc = parts[0]
-            if P > 2:
-                acc = torch.add(parts[0], parts[1], out=self.group.scratch("shm_acc", n, acc.dtype))
-                for part in parts[2:]:
-                    acc.add_(part)
-            torch.add(acc, own, out=out)
-        elif hop:
-            prescale = codec.wire_dtype == torch.float16
-            last = torch.div(own, P) if prescale else own
-            acc = codec.decode(codec.encode(parts[0]))
-            for part in parts[1:]:
-                acc = codec.decode(codec.encode(acc.add_(part)))
-            torch.add(acc, last, out=out)
-            if prescale:
-                out.mul_(P)
-        else:
-            last = codec.decode(codec.encode(own))  # before out (maybe own) is written
-            out.copy_(codec.decode(parts[0]))
-            for part in parts[1:]:
-                out.add_(codec.decode(part))
-            out.add_(last)
 
     @forgetting_views
     def all_gather(
