@@ -17,6 +17,9 @@ batches, the order rotating round by round (A, B, C / B, C, A / ...):
 - ``prepare + allreduce`` / ``prepare + sharded``: the user's own loop
   (``zero_grad``, ``backward``, ``step``) on what :func:`gradhub.prepare`
   returns, on the job's group: the public path of a ported DDP script;
+  ``prepare + sharded (no overlap)``: the same with ``overlap=False`` (every
+  bucket's reduce-scatter started after backward), to show what starting
+  them from the backward hooks gains;
 - ``1 process, 2 threads``: the whole global batch in one process with two
   intra-op threads, no communication: what the same two cores do alone.
 
@@ -60,7 +63,7 @@ MODELS = {
 }
 PEER = "DDP"
 TRANSPORTS = ["shm", "ring"]
-OWN_LOOP = ["prepare + allreduce", "prepare + sharded"]
+OWN_LOOP = ["prepare + allreduce", "prepare + sharded", "prepare + sharded (no overlap)"]
 CONTENDERS = [
     PEER,
     *[f"gradhub {s} ({t})" for s in ("allreduce", "sharded") for t in TRANSPORTS],
@@ -117,11 +120,13 @@ def contenders(
         steps[label], models[label] = step, model
     for label in OWN_LOOP:
         base_copy = copy.deepcopy(base)
+        strategy = label.split(" + ")[1].split(" ")[0]
         model, opt = gradhub.prepare(
             base_copy,
             torch.optim.SGD(base_copy.parameters(), lr=0.01),
-            strategy=label.split(" + ")[1],
+            strategy=strategy,
             runtime=runtimes["shm"],
+            **({"overlap": False} if "no overlap" in label else {}),
         )
         strategies.append(model.strategy)
 

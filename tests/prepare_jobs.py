@@ -138,6 +138,8 @@ def own_loop(rank: int, world: int, cases: list[tuple[str, str, str, dict[str, A
                 )
                 gradhub.check_in_sync(model)  # every rank holds the same bits
                 suffix = f"/{options['compress']}" if "compress" in options else ""
+                if strategy == "sharded" and "bucket_mb" in options:
+                    suffix = "/buckets"
                 out[f"{strategy}/{kind}{suffix}"] = params(model.module)
                 if strategy.startswith("ps-"):
                     out[f"{strategy}/state"] = _state_round_trip(opt)

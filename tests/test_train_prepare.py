@@ -53,6 +53,7 @@ def test_own_loop_matches_ddp_and_single_process(sync_server: ServerHandle) -> N
         ("allreduce", "mlp", "sgd", {"bucket_mb": 0.0005}),  # several buckets, overlapped
         ("allreduce", "cnn", "sgd", {}),
         ("sharded", "mlp", "sgd", {}),
+        ("sharded", "mlp", "sgd", {"bucket_mb": 0.0005}),  # several buckets, overlapped
         ("sharded", "cnn", "sgd", {}),
         ("allreduce", "mlp", "sgd", {"compress": "bf16"}),
         ("allreduce", "mlp", "sgd", {"compress": "fp16"}),
@@ -66,6 +67,9 @@ def test_own_loop_matches_ddp_and_single_process(sync_server: ServerHandle) -> N
             _same(out[f"allreduce/{kind}"], out[f"ddp/{kind}"], atol=0)
             # Slices summed and normed separately: float32 rounding only.
             _same(out[f"sharded/{kind}"], out[f"ddp/{kind}"], atol=1e-5)
+        # Reduce-scatters of buckets started during backward: every element summed
+        # by its owner in the same order as in one reduce-scatter: the same bits.
+        _same(out["sharded/mlp/buckets"], out["sharded/mlp"], atol=0)
         # The servers ran the script's Adam on the summed halves: the single-process
         # Adam on the 6-sample batches, same schedule, up to float32 rounding.
         _same(out["ps-sync/mlp"], single_process("mlp", "adam", 2), atol=1e-5)

@@ -55,7 +55,7 @@ from gradhub.collective.ring import (
     run_reduce_scatter,
 )
 from gradhub.errors import ClosedError, ShapeMismatchError, StateError
-from gradhub.partition import partition_range
+from gradhub.partition import partition_range, partition_ranges
 from gradhub.trees import Tree, TreeSpec, as_tree
 
 _log = logging.getLogger("gradhub.collective")
@@ -101,7 +101,8 @@ class AllReduceParameter:
         self._gradients = torch.zeros(self._length, dtype=torch.float32, device=device)
         self._published: torch.Tensor | None = None
         self._gathering: list[CollectiveFuture[Tree]] = []  # get_weights reading _published
-        self._pending: CollectiveFuture[torch.Tensor] | None = None
+        self._pending: list[CollectiveFuture[torch.Tensor]] = []
+        self._covered = 0  # elements of this step's gradient put so far (segments)
         self._staging: torch.Tensor | None = None
         self._spec: TreeSpec | None = None
         self._closed = False
@@ -234,7 +235,7 @@ class AllReduceParameter:
         start reducing it: each rank ends up with the sum of its own slice."""
         self._check_ready("put_gradients")
         assert self._spec is not None
-        if self._pending is not None:
+        if self._pending:
             raise StateError(
                 f"[rank {self.partition_id}] put_gradients called twice; call "
                 "aggregate_gradient_partition() after each put_gradients()"
@@ -249,17 +250,66 @@ class AllReduceParameter:
             staging.copy_(tree.detach().reshape(-1))
         else:
             self._spec.flatten(tree, out=staging)  # validates before it writes
-        self._pending = self.group.submit(
-            "put_gradients",
-            lambda: run_reduce_scatter(
-                self.group,
-                staging,
-                self.codec,
-                out=self._gradients,
-                timeout=self.timeout,
-                pipeline=self._pipeline,
-                name="put_gradients(reduce_scatter)",
-            ),
+        self._covered = self.size
+        self._pending = [
+            self.group.submit(
+                "put_gradients",
+                lambda: run_reduce_scatter(
+                    self.group,
+                    staging,
+                    self.codec,
+                    out=self._gradients,
+                    timeout=self.timeout,
+                    pipeline=self._pipeline,
+                    name="put_gradients(reduce_scatter)",
+                ),
+            )
+        ]
+
+    def put_gradient_segment(self, segment: torch.Tensor, offset: int) -> None:
+        """Start reducing elements ``[offset, offset + segment.numel())`` of the flat
+        gradient: each rank ends with the sum of the part of it that lies in its own slice.
+
+        For overlapping communication with backward: a step's gradient may go
+        in segments as they become ready, instead of one ``put_gradients``.
+        ``segment`` is a flat contiguous fp32 tensor, read in place (no copy:
+        leave it unchanged until ``aggregate_gradient_partition`` returns).
+        Every rank gives the same segments in the same order; together they
+        cover the vector once (checked by ``aggregate_gradient_partition``).
+        Without compression the sums are the bits ``put_gradients`` gives.
+        """
+        self._check_ready("put_gradient_segment")
+        n = segment.numel()
+        if offset < 0 or offset + n > self.size or self._covered + n > self.size:
+            raise ValueError(
+                f"[rank {self.partition_id}] segment [{offset}, {offset + n}) does not fit "
+                f"the {self.size - self._covered} elements of {self.size} not yet put"
+            )
+        if segment.dtype != torch.float32 or not segment.is_contiguous():
+            raise TypeError("put_gradient_segment takes a contiguous float32 tensor")
+        ranges = []
+        for s, length in partition_ranges(self.size, self.partition_num):
+            a, b = max(s, offset), min(s + length, offset + n)
+            ranges.append((a - offset, b - a) if b > a else (min(max(s - offset, 0), n), 0))
+        here, length = ranges[self.partition_id]
+        begin = offset + here - self._start
+        out = self._gradients[begin : begin + length] if length else self._gradients[:0]
+        flat = segment.view(-1)
+        self._covered += n
+        self._pending.append(
+            self.group.submit(
+                "put_gradient_segment",
+                lambda: run_reduce_scatter(
+                    self.group,
+                    flat,
+                    self.codec,
+                    out=out,
+                    timeout=self.timeout,
+                    pipeline=self._pipeline,
+                    name="put_gradient_segment(reduce_scatter)",
+                    ranges=ranges,
+                ),
+            )
         )
 
     def aggregate_gradient_partition(self, avg_numbers: float = 1) -> torch.Tensor:
@@ -268,12 +318,19 @@ class AllReduceParameter:
         self._check_ready("aggregate_gradient_partition")
         if not avg_numbers > 0:
             raise ValueError(f"avg_numbers must be > 0, got {avg_numbers!r}")
-        if self._pending is None:
+        if not self._pending:
             raise StateError(
                 f"[rank {self.partition_id}] nothing to aggregate: call put_gradients() first"
             )
-        pending, self._pending = self._pending, None
-        pending.wait()  # the sum is now in self._gradients
+        pending, self._pending = self._pending, []
+        covered, self._covered = self._covered, 0
+        for future in pending:
+            future.wait()  # the sum is now in self._gradients
+        if covered != self.size:
+            raise StateError(
+                f"[rank {self.partition_id}] the gradient segments put cover {covered} of "
+                f"{self.size} elements"
+            )
         return self._gradients.div_(avg_numbers)
 
     def send_weight_partition(self) -> None:
@@ -299,7 +356,7 @@ class AllReduceParameter:
         if self._closed:
             return
         self._closed = True
-        self._pending = None
+        self._pending = []
         if self._owns_group:
             self.group.close()
 

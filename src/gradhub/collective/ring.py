@@ -243,12 +243,17 @@ def run_reduce_scatter(
     pipeline: int = DEFAULT_PIPELINE_ELEMENTS,
     small_bytes: int = SMALL_BYTES,
     name: str = "reduce_scatter",
+    ranges: list[tuple[int, int]] | None = None,
 ) -> torch.Tensor:
     """The reduce-scatter itself; call it on the group's worker thread.
 
     Returns ``out`` (or a new fp32 tensor) holding this rank's slice of the sum.
+    ``ranges``: each rank's ``(start, length)`` in ``flat``, back to back in rank
+    order and covering it (empty ones allowed; every rank gives the same);
+    default: :func:`gradhub.partition.partition_ranges`.
     """
-    ranges = partition_ranges(flat.numel(), group.world_size)
+    if ranges is None:
+        ranges = partition_ranges(flat.numel(), group.world_size)
     start, length = ranges[group.rank]
     out = _check_out(out, length, flat.device)
     # shared memory's own counters say who entered: no store round trip

@@ -7,7 +7,15 @@ optimizer's parameter groups; rank r of P owns slice r of it. Per step
 
 1. the flat gradient, each rank's multiplied by its weight (see
    :mod:`.base`), is reduce-scattered (optionally compressed on the wire:
-   ``compress="bf16"`` etc.) so each rank holds the sum of its own slice;
+   ``compress="bf16"`` etc.) so each rank holds the sum of its own slice.
+   As under ``allreduce``, this starts during backward: the flat gradient is
+   cut into buckets of about ``bucket_mb`` megabytes, in the order backward
+   produces the gradients (the last parameters first), and a post-accumulate
+   hook writes each gradient into its bucket; a full bucket's reduce-scatter
+   is started at once on the group's communication thread
+   (:meth:`~gradhub.collective.AllReduceParameter.put_gradient_segment`),
+   buckets strictly in the same order on every rank. Without compression the
+   sums are the same bits as one reduce-scatter of the whole vector;
 2. the owner steps the slice optimizer on its slice only, so momentum or
    Adam state exists once across the job instead of once per rank;
 3. the updated slices are all-gathered straight into the flat vector the
@@ -42,6 +50,7 @@ import torch.distributed as dist
 from gradhub import codecs
 from gradhub._config import config_or_options
 from gradhub.collective import AllReduceParameter, ShardedOptimizer
+from gradhub.errors import MisuseError
 from gradhub.optim import OptimizerSpec
 from gradhub.train.strategies.base import Strategy
 
@@ -53,9 +62,15 @@ class ShardedConfig:
     compress: str = "none"
     """Wire codec for gradients and weights: ``"none"``, ``"fp16"``, ``"bf16"``,
     ``"bf16-truncate"``; arithmetic and master weights stay fp32."""
+    bucket_mb: float = 25.0
+    """Gradient bucket size in megabytes (fp32): fewer, larger messages vs. earlier overlap."""
+    overlap: bool = True
+    """Start each bucket's reduce-scatter from backward hooks as soon as it is full."""
 
     def __post_init__(self) -> None:
         codecs.get(self.compress)  # an unknown codec is an error now, not mid-job
+        if not self.bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")
 
 
 class ShardedStrategy(Strategy):
@@ -72,6 +87,14 @@ class ShardedStrategy(Strategy):
         self._arp: AllReduceParameter | None = None
         self._opt: ShardedOptimizer | None = None
         self._reduced: torch.Tensor | None = None
+        # buckets: (offset, numel) in the flat vector; per parameter: (bucket, offset)
+        self._buckets: list[tuple[int, int]] = []
+        self._slot: dict[int, tuple[int, int]] = {}
+        self._sizes: list[int] = []  # parameters per bucket
+        self._ready: list[int] = []
+        self._filled: set[int] = set()
+        self._next_launch = 0
+        self._scale, self._by_count = 1.0, False
 
     def _setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         assert optimizer is not None
@@ -98,29 +121,84 @@ class ShardedStrategy(Strategy):
         self._arp.init(self._flat)
         sizes = [sum(p.numel() for p in g) for g in self._groups]
         self._opt = ShardedOptimizer(self._arp, spec, group_sizes=sizes)
+        self._build_buckets()
+
+    def _build_buckets(self) -> None:
+        """Cut the flat vector into buckets, last parameters first (backward's order)."""
+        offsets, total = [], 0
+        for p in self.params:
+            offsets.append(total)
+            total += p.numel()
+        limit = max(1, int(self.config.bucket_mb * 1024 * 1024 / 4))
+        end, size, count = total, 0, 0
+        for i in reversed(range(len(self.params))):
+            n = self.params[i].numel()
+            if count and size + n > limit:
+                self._buckets.append((end - size, size))
+                self._sizes.append(count)
+                end, size, count = end - size, 0, 0
+            self._slot[id(self.params[i])] = (len(self._buckets), offsets[i])
+            size, count = size + n, count + 1
+        self._buckets.append((end - size, size))
+        self._sizes.append(count)
+        self._ready = [0] * len(self._buckets)
+
+    # one synchronising backward ------------------------------------------------------
+
+    def _begin_sync(self) -> None:
+        self._ready = [0] * len(self._buckets)
+        self._filled.clear()
+        self._next_launch = 0
+        self._scale, self._by_count = self._weights()
+
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        if self.config.overlap and p.grad is not None and id(p) not in self._filled:
+            self._fill(p)
+            self._launch_ready()
+
+    def _fill(self, p: torch.Tensor) -> None:
+        b, offset = self._slot[id(p)]
+        slot = self._grad[offset : offset + p.numel()]
+        if p.grad is None:
+            slot.zero_()
+        else:
+            torch.mul(p.grad.reshape(-1), self._scale, out=slot)
+        self._filled.add(id(p))
+        self._ready[b] += 1
+
+    def _launch_ready(self) -> None:
+        assert self._arp is not None
+        while self._next_launch < len(self._buckets):
+            b = self._next_launch
+            if self._ready[b] < self._sizes[b]:
+                return
+            offset, n = self._buckets[b]
+            self._arp.put_gradient_segment(self._grad[offset : offset + n], offset)
+            self._next_launch += 1
+
+    def _finish_backward(self) -> None:
+        for p in self.params:
+            if id(p) not in self._filled:
+                self._fill(p)
+        self._launch_ready()
 
     def _reduce(self) -> torch.Tensor:
-        """Reduce-scatter this step's gradients once; this rank's slice of the sum."""
+        """Wait for this step's reduce-scatters; this rank's slice of the sum."""
         if self._reduced is not None:
             return self._reduced
         assert self._arp is not None
-        scale, by_count = self._weights()
-        offset = 0
-        for p in self.params:
-            slot = self._grad[offset : offset + p.numel()]
-            if p.grad is None:
-                slot.zero_()
-            else:
-                torch.mul(p.grad.reshape(-1), scale, out=slot)
-            offset += p.numel()
-        self._arp.put_gradients(self._grad)
-        divisor = 1.0
-        if by_count:
+        if not self._synced:
+            raise MisuseError(
+                "the gradients are not combined yet: clip or step after the backward() "
+                "outside no_sync() (the last micro-batch's)"
+            )
+        reduced = self._arp.aggregate_gradient_partition()
+        if self._by_count:  # after the waits: no collective beside the segments' own
             assert self._samples is not None
             count = torch.tensor([float(self._samples[0])])
-            divisor = float(self.runtime.all_reduce_sum(count, where="sample count")[0])
-        self._reduced = self._arp.aggregate_gradient_partition(divisor)
-        return self._reduced
+            reduced.div_(float(self.runtime.all_reduce_sum(count, where="sample count")[0]))
+        self._reduced = reduced
+        return reduced
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         grad = self._reduce()
