@@ -32,7 +32,7 @@ with the same parameters (equal batch sizes: weighted mean == DDP's mean).
 Writes ``training.json`` and ``training.md`` to ``--out`` and prints the table.
 On a 2-core machine the two ranks fill both cores.
 
-    python benchmarks/training.py [--rounds 5] [--steps 4]
+    python benchmarks/training.py [--rounds 5] [--steps 4] [--methods "prepare + sharded,..."]
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ import argparse
 import copy
 import dataclasses
 import itertools
+import math
 import platform
 import statistics
 import time
@@ -139,7 +140,9 @@ def contenders(
     return steps, models, strategies
 
 
-def rank_main(rank: int, port: int, rounds: int, steps: int, queue: Any) -> None:
+def rank_main(
+    rank: int, port: int, rounds: int, steps: int, methods: list[str], queue: Any
+) -> None:
     torch.set_num_threads(1)
     with local_group(rank, WORLD_SIZE, port, timeout=600):
         runtime = gradhub.init(timeout=600)
@@ -153,12 +156,12 @@ def rank_main(rank: int, port: int, rounds: int, steps: int, queue: Any) -> None
         for label, widths in MODELS.items():
             x, y = batch(rank, PER_RANK, widths[0])
             fns, models, strategies = contenders(widths, x, y, runtimes)
-            for fn in fns.values():  # warm-up: allocations, gloo pairs
-                fn()
-                fn()
-            times: dict[str, list[list[float]]] = {name: [] for name in CONTENDERS}
+            for name in methods:  # warm-up: allocations, gloo pairs
+                fns[name]()
+                fns[name]()
+            times: dict[str, list[list[float]]] = {name: [] for name in methods}
             for r in range(rounds):
-                order = CONTENDERS[r % len(CONTENDERS) :] + CONTENDERS[: r % len(CONTENDERS)]
+                order = methods[r % len(methods) :] + methods[: r % len(methods)]
                 for name in order:
                     torch.distributed.barrier()
                     per_step = []
@@ -167,14 +170,8 @@ def rank_main(rank: int, port: int, rounds: int, steps: int, queue: Any) -> None
                         fns[name]()
                         per_step.append(time.perf_counter() - t0)
                     times[name].append(per_step)
-            diff = max(
-                float((a.detach() - b.detach()).abs().max())
-                for a, b in zip(
-                    models[PEER].parameters(),
-                    models["gradhub allreduce (shm)"].parameters(),
-                    strict=True,
-                )
-            )
+            same_steps = [m for m in methods if "allreduce" in m]  # as many steps as DDP
+            diff = _max_diff(models[PEER], models[same_steps[0]]) if same_steps else math.nan
             params = sum(p.numel() for p in models[PEER].parameters())
             report[label] = {"params": params, "times": times, "ddp_vs_allreduce_max_diff": diff}
             for s in strategies:
@@ -183,6 +180,13 @@ def rank_main(rank: int, port: int, rounds: int, steps: int, queue: Any) -> None
         runtime.close()
         if rank == 0:
             queue.put(report)
+
+
+def _max_diff(a: nn.Module, b: nn.Module) -> float:
+    return max(
+        float((p.detach() - q.detach()).abs().max())
+        for p, q in zip(a.parameters(), b.parameters(), strict=True)
+    )
 
 
 def single_process(rounds: int, steps: int) -> dict[str, list[list[float]]]:
@@ -262,8 +266,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=4, help="timed steps per round")
     parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument(
+        "--methods",
+        default=",".join(CONTENDERS),
+        help=f"comma-separated contenders to time (DDP always): {', '.join(CONTENDERS)}",
+    )
     args = parser.parse_args()
-    report = rank_zero_result(rank_main, WORLD_SIZE, args.rounds, args.steps)
+    methods = [PEER] + [m for m in args.methods.split(",") if m and m != PEER]
+    unknown = [m for m in methods if m not in CONTENDERS]
+    if unknown:
+        parser.error(f"unknown method(s) {unknown}; choose from {CONTENDERS}")
+    report = rank_zero_result(rank_main, WORLD_SIZE, args.rounds, args.steps, methods)
     single = single_process(args.rounds, args.steps)
     rows = summarise(report, single)
     table = markdown(rows)
