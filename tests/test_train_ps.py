@@ -49,3 +49,33 @@ def test_wrong_mode_and_unreachable_servers_are_clear_errors(sync_server: Server
         gone.close()
     finally:
         runtime.close()
+
+
+def test_a_restarted_ps_sync_worker_catches_up_with_the_steps_of_the_others(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before a failure, worker 1 pushed 3 steps that worker 0's predecessor
+    never matched. After the restart, worker 0 pads with zero pushes first, so
+    those sync rounds complete (with worker 1's sums unchanged) instead of
+    waiting at the end of the job for pushes that never come."""
+    config = ServerConfig(mode="sync", workers=2, optimizer="sgd", lr=0.5)
+    model = tiny_model()
+    start = {name: p.detach().clone() for name, p in model.named_parameters()}
+    with start_server(config, in_thread=True) as server:
+        with gradhub.RemoteParameterServer(server.address, worker_id=1, timeout=10) as other:
+            for name, p in model.named_parameters():
+                other.init(name, p.detach())
+            for _ in range(3):
+                for name, p in model.named_parameters():
+                    other.push(name, torch.ones_like(p)).result(10)  # joined its round
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+        with gradhub.init(timeout=10) as runtime:  # worker 0 of the restarted job
+            strategy = make_strategy("ps-sync", servers=[server.address], timeout=10)
+            strategy.setup(model, None, runtime)
+            report = strategy._client.stats()[0]
+            strategy.close()
+    keys = len(start)
+    assert report["push_applied_by_worker"] == {"0": 3 * keys, "1": 3 * keys}
+    assert set(report["rounds_applied"].values()) == {3}
+    for name, p in model.named_parameters():  # pulled after the rounds: 3 x SGD(lr=0.5) of 1
+        torch.testing.assert_close(p.detach(), start[name] - 1.5, rtol=0, atol=1e-6)

@@ -215,4 +215,6 @@ class Consistency:
             "registered": sorted(self.registered),
             "live": sorted(self.live),
             "rounds_applied": dict(self.rounds_applied),
+            # key -> worker id (a string: the report is JSON) -> its step on the key
+            "steps": {k: {str(w): n for w, n in v.items()} for k, v in self.steps.items()},
         }

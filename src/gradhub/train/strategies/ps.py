@@ -52,12 +52,17 @@ Decisions:
   gradient; under ``ps-async``/``ps-ssp`` no global gradient exists and each
   worker's weighted gradient is clipped by its own norm before the push.
 - Model buffers (e.g. batch-norm statistics) stay local to each worker.
+- After torchrun restarted the workers (``gradhub run --max-restarts N``),
+  the servers, which kept running, keep their values, and under ``ps-sync``
+  and ``ps-ssp`` every worker first catches up with the highest step any
+  worker reached on each key, with zero pushes (see :meth:`_PSStrategy._align_steps`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -72,6 +77,8 @@ from gradhub._config import config_or_options
 from gradhub.errors import DuplicateParameterError, GradhubError, GradhubTimeoutError
 from gradhub.optim import OptimizerSpec
 from gradhub.train.strategies.base import Strategy
+
+log = logging.getLogger(__name__)
 
 ADDRESSES_KEY = "gradhub/ps/addresses"
 """Key in the launcher's c10d store under which ``gradhub run --servers`` puts
@@ -192,10 +199,59 @@ class _PSStrategy(Strategy):
 
         try:
             self._on_rank0(init_keys, "initialise the parameters on the servers")
+            if rt.restart and self.mode != "async":
+                self._align_steps()
         except Exception:
             self._client.close(timeout=0)
             raise
         self.refresh()
+
+    def _align_steps(self) -> None:
+        """After torchrun restarted the workers (sync, ssp): bring every worker's
+        step on every key up to the highest, with zero pushes.
+
+        The workers of the failed attempt stopped at different points, one step
+        apart (sync) or up to ``max_staleness + 1`` (ssp), and the servers count
+        steps per worker: near the end of the job a sync round or an ssp wait
+        would wait for pushes that never come. A zero push joins its sync round
+        without changing its sum; under ssp it is applied on its own (an
+        optimizer step with a zero gradient, which momentum still moves).
+        Rank 0 reads the steps once every worker of this attempt has joined and
+        none has pushed; every rank pads its own.
+        """
+        rt = self.runtime
+        plan: list[dict[int, dict[str, int]] | None] = [None]
+        if rt.is_main:
+            steps: dict[str, dict[int, int]] = {}
+            for report in self._client.stats():
+                for key, per_worker in report.get("steps", {}).items():
+                    name = key.split("[slice ")[0]  # a sliced key counts as its largest slice
+                    known = steps.setdefault(name, {})
+                    for w, n in per_worker.items():
+                        known[int(w)] = max(known.get(int(w), 0), int(n))
+            plan[0] = {
+                rank: {
+                    name: max(by.values()) - by.get(rank, 0)
+                    for name, by in steps.items()
+                    if max(by.values()) > by.get(rank, 0)
+                }
+                for rank in range(rt.world_size)
+            }
+        if rt.world_size > 1:
+            dist.broadcast_object_list(plan, src=0)
+        mine = (plan[0] or {}).get(rt.rank, {})
+        pushes = [
+            self._client.push(name, torch.zeros_like(p), priority=-i)
+            for i, (name, p, _) in enumerate(self._keys)
+            for _ in range(mine.get(name, 0))
+        ]
+        self._settle(pushes)
+        if mine:
+            log.info(
+                "[rank %d] restart: %d zero push(es) to catch up with the other workers' steps",
+                rt.rank,
+                len(pushes),
+            )
 
     def _on_rank0(self, work: Callable[[], None], what: str) -> None:
         """Run ``work`` on rank 0; every rank returns once it is done, or raises if it failed."""
