@@ -5,6 +5,10 @@ On the first attempt (torchrun's ``TORCHELASTIC_RESTART_COUNT`` is 0) rank
 that step are acknowledged and its step record is written, nothing is in
 flight. torchrun then restarts every worker and ``fit`` resumes.
 
+``--data`` is a file of ``torch.save((x_train, y_train, x_test, y_test))``
+(the digits split the test process made once: importing scikit-learn in every
+worker of every attempt would cost more than the training).
+
 Rank 0 writes ``result.json`` in ``--out``: the fit result, and under ``ps-*``
 the servers' report (read after ``fit``, whose last evaluation is a collective
 that every rank enters only after its last push); and ``final.pt``, the final
@@ -26,12 +30,12 @@ import torch
 
 import gradhub
 from gradhub.demo.job import make_mlp
-from gradhub.demo.threads import load_digits_split
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--strategy", required=True)
+    p.add_argument("--data", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--lr", type=float, default=0.1)
@@ -40,7 +44,7 @@ def main() -> None:
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
-    x_train, y_train, x_test, y_test = load_digits_split(0.2, 0)
+    x_train, y_train, x_test, y_test = torch.load(args.data)
     model = make_mlp(0)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     with gradhub.init(timeout=30) as runtime:
