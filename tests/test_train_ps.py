@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from gradhub.ps.config import ServerConfig
 from gradhub.ps.launch import ServerHandle, start_server
 from gradhub.train.strategies import make_strategy
 from harness import run_ranks
-from train_helpers import reference_step, sgd, tiny_model, uneven_steps
+from train_helpers import fixed_data, reference_step, sgd, tiny_model, uneven_steps
 
 
 @pytest.fixture
@@ -79,3 +80,47 @@ def test_a_restarted_ps_sync_worker_catches_up_with_the_steps_of_the_others(
     assert set(report["rounds_applied"].values()) == {3}
     for name, p in model.named_parameters():  # pulled after the rounds: 3 x SGD(lr=0.5) of 1
         torch.testing.assert_close(p.detach(), start[name] - 1.5, rtol=0, atol=1e-6)
+
+
+def test_a_restarted_ps_worker_takes_the_servers_values_and_its_checkpointed_lr(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A worker restarted by torchrun resumes its step and its LR schedule from
+    the checkpoint, and the parameters from the servers, which went on after it."""
+    x, y = fixed_data(12)
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
+    with start_server(ServerConfig(mode="async"), in_thread=True) as server:
+
+        def attempt(restart: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+            monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(restart))
+            model = tiny_model()
+            opt = torch.optim.SGD(model.parameters(), lr=0.4)
+            with gradhub.init(timeout=10) as runtime:
+                options = {"servers": [server.address], "timeout": 10}
+                with gradhub.DataParallelTrainer(
+                    model, opt, strategy="ps-async", runtime=runtime, **options
+                ) as trainer:
+                    schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+                    trainer.fit(
+                        (x, y),
+                        epochs=2,
+                        batch_size=4,
+                        run_dir=tmp_path,  # checkpoints in tmp_path/checkpoints
+                        progress=False,
+                        lr_scheduler=schedule,
+                        scheduler_interval="epoch",
+                    )
+            return model, opt
+
+        attempt(0)
+        with gradhub.RemoteParameterServer(server.address, worker_id=7, timeout=10) as other:
+            for name, p in tiny_model().named_parameters():  # acknowledged after the checkpoint
+                other.push(name, torch.ones_like(p)).result(10)
+            values = {}
+            for name, p in tiny_model().named_parameters():
+                values[name] = torch.empty_like(p)
+                other.pull(name, values[name]).result(10)
+        model, opt = attempt(1)  # the job had finished: nothing left but resuming
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1)  # 0.4 halved after each epoch
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), values[name]), name

@@ -251,7 +251,11 @@ class FitRun:
         state = self.ckpt.load(step, rank=self.rt.rank % written_by)
         if self.rt.restart and self.strategy.state_outlives_workers:
             # The servers kept running: their values and optimizer state hold every
-            # update acknowledged since this checkpoint. Take those, not the file's.
+            # update acknowledged since this checkpoint. Take those, not the file's;
+            # only the script's hyperparameters (an LR scheduler's lr) come from it.
+            saved = state.get("optimizer", {}).get("param_groups", [])
+            for live, old in zip(self.opt.param_groups, saved, strict=False):
+                live.update({k: v for k, v in old.items() if k != "params"})
             self.strategy.refresh()
         else:
             self.model.load_state_dict(state["model"])
