@@ -1,8 +1,16 @@
-"""The client's I/O channel to its parameter servers: one thread, one DEALER per server.
+"""The client's I/O channel to its parameter servers: one DEALER per server.
 
-ZeroMQ sockets are not thread-safe, so one I/O thread owns them all; callers
-hand it requests through :meth:`Channel.submit` (a locked list and a wake-up
-pipe) and get a future back.
+- **Threads.** ZeroMQ sockets are not thread-safe, so they are used under one
+  lock (``_io``) by whichever thread holds it: the caller of
+  :meth:`Channel.submit` sends its request itself when the lock is free, and a
+  thread waiting on a request's future (:class:`Pending`) receives and handles
+  the replies itself, woken by the sockets' own descriptors (``zmq.FD``). So a
+  request made and waited for in one thread costs one ZeroMQ round trip, with
+  no hand-off to another thread. A background I/O thread does the rest:
+  heartbeats, retries, deadlines, and the replies no thread is waiting for
+  (it watches the sockets only while no caller does). A request submitted
+  while another thread holds the lock is queued and the holder (or the I/O
+  thread, woken by a pipe) sends it.
 
 - **Order and credit.** Per server, requests wait in
   :class:`~gradhub.ps.lanes.PriorityLanes` (one lane per key: higher priority
@@ -42,8 +50,10 @@ import contextlib
 import itertools
 import json
 import logging
+import math
 import os
 import secrets
+import select
 import threading
 import time
 from collections.abc import Sequence
@@ -67,9 +77,35 @@ from gradhub.ps.protocol import Header, Message, Op, Status
 
 log = logging.getLogger(__name__)
 
+_TICK = 0.05  # seconds between checks of deadlines, retries and heartbeats
+
+
+class Pending(Future[None]):
+    """The future of a request (or of several): a thread waiting on it with
+    :meth:`result` or :meth:`exception` drives the channel itself until it is done."""
+
+    def __init__(self, channel: Channel) -> None:
+        super().__init__()
+        self._channel = channel
+
+    def result(self, timeout: float | None = None) -> None:
+        return super().result(self._drive(timeout))
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        return super().exception(self._drive(timeout))
+
+    def _drive(self, timeout: float | None) -> float | None:
+        """Drive until done or ``timeout``; the time left of ``timeout``."""
+        if self.done():
+            return timeout
+        start = time.monotonic()
+        self._channel.wait(self, timeout)
+        return None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
+
 
 class Channel:
-    """Requests to a list of servers, sent and answered on one I/O thread."""
+    """Requests to a list of servers, sent and answered by whichever thread holds
+    the sockets' lock (see the module's docstring)."""
 
     def __init__(
         self,
@@ -95,7 +131,12 @@ class Channel:
         self.arena = arena
         self.arena_min_bytes = arena_min_bytes
         self._arena_fds: dict[int, Link] = {}
-        self._poller = zmq.Poller()
+        self._poll = select.poll()  # the I/O thread's
+        self._io = threading.RLock()  # the sockets, the links and their requests
+        self._pump_owner = 0  # the thread inside _pump (a callback re-entering does nothing)
+        self._drivers = 0  # threads waiting on a future, watching the sockets themselves
+        self._next_check = 0.0
+        self._sockets_closed = False
         self._secret = secret
         self._session = secrets.randbits(63) | 1
         self._lock = threading.Lock()
@@ -119,9 +160,11 @@ class Channel:
                 self._close_sockets()
                 raise ValueError(f"cannot connect to parameter server {a!r}: {exc}") from exc
             self._servers.append(Link(a, sock))
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_w, False)
-        os.set_blocking(self._wake_r, False)
+        self._zmq_fds = [int(s.sock.getsockopt(zmq.FD)) for s in self._servers]
+        self._wake_r, self._wake_w = os.pipe()  # wakes the I/O thread
+        self._kick_r, self._kick_w = os.pipe()  # wakes waiting callers
+        for fd in (self._wake_r, self._wake_w, self._kick_r, self._kick_w):
+            os.set_blocking(fd, False)
         self._thread = threading.Thread(
             target=self._loop, name=f"gradhub-ps-client-{worker_id}", daemon=True
         )
@@ -131,15 +174,16 @@ class Channel:
     def addresses(self) -> list[str]:
         return [s.address for s in self._servers]
 
-    def submit(self, req: Request) -> Future[None]:
-        """Queue ``req`` (its ids, sequence number and deadline are set here)."""
+    def submit(self, req: Request) -> Pending:
+        """Queue ``req`` (its ids, sequence number and deadline are set here) and send
+        it from this thread if the sockets are free."""
         if req.payload is not None and req.payload.device.type != "cpu":
             req.payload, req.owned = req.payload.cpu(), True
         if req.payload is not None and not req.payload.is_contiguous():
             req.payload, req.owned = req.payload.contiguous(), True
         if req.payload is not None:
             req.nbytes = req.payload.numel() * req.payload.element_size()
-        future: Future[None] = Future()
+        future = Pending(self)
         req.future = future
         with self._lock:
             if self._stopping:
@@ -157,8 +201,44 @@ class Channel:
                 req.seq = srv.next_seq
                 srv.next_seq += 1
             self._submitted.append(req)
-        self._wake()
+        if self._io.acquire(blocking=False):
+            try:
+                self._pump()
+            finally:
+                self._io.release()
+        else:
+            self._wake()
         return future
+
+    def wait(self, future: Future[None], timeout: float | None) -> None:
+        """Drive the sockets from this thread until ``future`` is done or ``timeout``
+        seconds passed: a reply wakes this thread itself, no other thread in between."""
+        if future.done() or self._pump_owner == threading.get_ident():
+            return  # a callback of a reply being handled: its future cannot progress here
+        deadline = math.inf if timeout is None else time.monotonic() + timeout
+        poll = select.poll()
+        poll.register(self._kick_r, select.POLLIN)
+        for fd in self._zmq_fds:
+            poll.register(fd, select.POLLIN)
+        with self._lock:
+            self._drivers += 1
+        try:
+            while True:
+                with self._io:
+                    self._pump()
+                left = deadline - time.monotonic()
+                if future.done() or left <= 0 or self._stopping:
+                    return
+                for fd, _ in poll.poll(min(left, _TICK) * 1000):
+                    if fd == self._kick_r:
+                        with contextlib.suppress(OSError):
+                            os.read(self._kick_r, 4096)
+        finally:
+            with self._lock:
+                self._drivers -= 1
+                last = self._drivers == 0
+            if last and self.busy():
+                self._wake()  # the I/O thread watches the sockets again
 
     def busy(self) -> bool:
         """Whether requests are queued or in flight."""
@@ -177,9 +257,10 @@ class Channel:
             self._stopping = True
         self._wake()
         self._thread.join()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
-        self._close_sockets()
+        with self._io:
+            self._close_sockets()
+        for fd in (self._wake_r, self._wake_w, self._kick_r, self._kick_w):
+            os.close(fd)
 
     def arena_in_use(self, server: int) -> bool:
         """Whether payloads to ``server`` go through a shared arena now."""
@@ -187,6 +268,7 @@ class Channel:
 
     # --------------------------------------------------------------- helpers
     def _close_sockets(self) -> None:
+        self._sockets_closed = True
         for s in self._servers:
             if s.arena is not None:
                 s.arena.close()
@@ -199,42 +281,71 @@ class Channel:
         with contextlib.suppress(OSError):
             os.write(self._wake_w, b"x")
 
-    # ----------------------------------------------------------- I/O thread
-    def _loop(self) -> None:
-        poller = self._poller
-        poller.register(self._wake_r, zmq.POLLIN)
-        for s in self._servers:
-            poller.register(s.sock, zmq.POLLIN)
-        socks = {s.sock: i for i, s in enumerate(self._servers)}
-        next_check = 0.0
+    def _pump(self) -> None:
+        """Send what is ready and handle every reply waiting, until nothing is left
+        (the caller holds ``_io``). Ends on a receive that found nothing, as
+        ``zmq.FD`` requires before anyone sleeps on it again."""
+        if self._pump_owner or self._sockets_closed:
+            return  # re-entered from a callback: the outer pump goes on
+        self._pump_owner = threading.get_ident()
         try:
             while True:
                 with self._lock:
                     new, self._submitted = self._submitted, []
-                    stopping = self._stopping
-                if stopping:
-                    break
                 for req in new:
                     self._servers[req.server].queue.push(req.key, req, req.priority)
                 now = time.monotonic()
                 for i, s in enumerate(self._servers):
                     self._send_ready(i, s, now)
-                if now >= next_check:
-                    next_check = now + 0.05
+                if now >= self._next_check:
+                    self._next_check = now + _TICK
                     self._check_timers(now)
-                for sock, _ in poller.poll(50):
-                    if sock == self._wake_r:
+                received = sum(self._receive(i) for i in range(len(self._servers)))
+                if not received and not self._submitted:
+                    return
+        finally:
+            self._pump_owner = 0
+
+    # ----------------------------------------------------------- I/O thread
+    def _loop(self) -> None:
+        poll = self._poll
+        poll.register(self._wake_r, select.POLLIN)
+        watching = False
+        try:
+            while True:
+                with self._io:
+                    if self._stopping:
+                        break
+                    self._pump()
+                with self._lock:
+                    drivers = self._drivers
+                if drivers:
+                    self._kick()  # a future this thread completed may have a waiter
+                if watching != (drivers == 0):
+                    watching = drivers == 0  # the sockets: watched here only while no caller does
+                    for fd in self._zmq_fds:
+                        if watching:
+                            poll.register(fd, select.POLLIN)
+                        else:
+                            poll.unregister(fd)
+                for fd, _ in poll.poll(_TICK * 1000):
+                    if fd == self._wake_r:
                         with contextlib.suppress(BlockingIOError):
                             os.read(self._wake_r, 4096)
-                    elif sock in self._arena_fds:
-                        self._arena_event(self._arena_fds[sock])
-                    else:
-                        self._receive(socks[sock])
+                    elif fd in self._arena_fds:
+                        with self._io:
+                            self._arena_event(self._arena_fds[fd])
         except Exception:
             log.exception("parameter-server client I/O thread failed")
             raise
         finally:
-            self._fail_all(ClosedError("the RemoteParameterServer was closed"))
+            with self._io:
+                self._fail_all(ClosedError("the RemoteParameterServer was closed"))
+            self._kick()
+
+    def _kick(self) -> None:
+        with contextlib.suppress(OSError):
+            os.write(self._kick_w, b"x")
 
     def _send_ready(self, i: int, s: Link, now: float) -> None:
         if s.failure is not None:
@@ -347,7 +458,8 @@ class Channel:
             return
         s.arena = arena
         self._arena_fds[arena.fileno()] = s
-        self._poller.register(arena.fileno(), zmq.POLLIN)
+        self._poll.register(arena.fileno(), select.POLLIN)
+        self._wake()  # the I/O thread watches it from its next poll
         log.debug("shared arena with %s (pid %d)", s.address, arena.server_pid)
 
     def _drop_arena(self, s: Link) -> None:
@@ -356,7 +468,7 @@ class Channel:
         fd = s.arena.fileno()
         self._arena_fds.pop(fd, None)
         with contextlib.suppress(KeyError):
-            self._poller.unregister(fd)
+            self._poll.unregister(fd)
         s.arena.close()
         s.arena = None
 
@@ -384,13 +496,14 @@ class Channel:
             ),
         )
 
-    def _receive(self, i: int) -> None:
+    def _receive(self, i: int) -> int:
+        """Handle the messages waiting from server ``i`` (at most 1000); how many."""
         s = self._servers[i]
-        for _ in range(1000):
+        for n in range(1000):
             try:
                 frames = s.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                return
+                return n
             try:
                 msg = protocol.decode(
                     frames,
@@ -409,6 +522,7 @@ class Channel:
                 log.warning("dropped a reply from %s: %s", s.address, exc)
                 continue
             self._handle(s, msg)
+        return 1000
 
     def _fail_server(self, s: Link, exc: GradhubError) -> None:
         """Fail everything queued, in flight and kept for ``s``, and later requests to it."""

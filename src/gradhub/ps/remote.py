@@ -48,7 +48,7 @@ from gradhub.optim import OptimizerSpec
 from gradhub.ps import arena as arenas
 from gradhub.ps import optim_state
 from gradhub.ps.base import ParameterServer, Replicas, as_replicas, check_key
-from gradhub.ps.channel import Channel
+from gradhub.ps.channel import Channel, Pending
 from gradhub.ps.config import secret_bytes
 from gradhub.ps.link import Request
 from gradhub.ps.placement import DEFAULT_SLICE_BYTES, Piece, layout, split
@@ -222,7 +222,7 @@ class RemoteParameterServer(ParameterServer):
                     meta=meta,
                 )
             )
-        return _all_of(futures)
+        return _all_of(self._channel, futures)
 
     def pull(self, key: str, weights: Replicas, *, priority: int = 0) -> Future[None]:
         """Copy the value of ``key`` into every tensor of ``weights``."""
@@ -250,7 +250,7 @@ class RemoteParameterServer(ParameterServer):
             )
             for piece in pieces
         ]
-        return _all_of(futures)
+        return _all_of(self._channel, futures)
 
     def optimizer_state(self, key: str, like: torch.Tensor) -> dict[str, Any]:
         """The state of ``key``'s optimizer on its server(s), after this client's
@@ -453,11 +453,12 @@ def _json(data: dict[str, Any]) -> bytes:
         raise ValueError(f"{data}: hyperparameters must be finite numbers ({exc})") from None
 
 
-def _all_of(futures: list[Future[None]]) -> Future[None]:
-    """A future done when all of ``futures`` are; it fails with the first failure."""
+def _all_of(channel: Channel, futures: list[Future[None]]) -> Future[None]:
+    """A future done when all of ``futures`` are; it fails with the first failure
+    (waiting on it drives ``channel``, as waiting on one of them does)."""
     if len(futures) == 1:
         return futures[0]
-    out: Future[None] = Future()
+    out = Pending(channel)
     remaining = [len(futures)]
     lock = threading.Lock()
 
