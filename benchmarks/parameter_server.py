@@ -1,6 +1,13 @@
 """Parameter-server push/pull: gradhub vs a torch.distributed.rpc server vs a Ray actor,
 and gradhub's ``--durable`` server beside its default.
 
+``gradhub`` is the default client of a server on the same host: payloads of
+64 KiB or more go through the shared arena. ``gradhub zmq`` is the same with
+``arena=False`` (every byte through ZeroMQ over loopback TCP, the path across
+hosts). ``raw zmq echo`` is the floor for small messages: a pyzmq DEALER
+sending the 4 bytes to a ROUTER in another process that sends them back
+(sizes up to 4 KB); a gradhub push should cost about one such round trip.
+
 Every system runs one server process on this machine and one client (this
 process). Each op is synchronous (issue, wait for the answer), so latency is
 the round trip and ops/s is 1 / mean latency; GB/s counts the tensor bytes
@@ -60,12 +67,15 @@ def _iters(nbytes: int, quick: bool) -> int:
 class Gradhub:
     name = "gradhub"
     max_push = 1 << 40
+    max_pull = 1 << 40
 
-    def __init__(self, **config: Any) -> None:
+    def __init__(self, client: dict[str, Any] | None = None, **config: Any) -> None:
         from gradhub import RemoteParameterServer, ServerConfig, start_server
 
         self.server = start_server(ServerConfig(optimizer="sgd", lr=LR, **config))
-        self.client = RemoteParameterServer(self.server.address, worker_id=0, timeout=120)
+        self.client = RemoteParameterServer(
+            self.server.address, worker_id=0, timeout=120, **(client or {})
+        )
 
     def init(self, key: str, value: torch.Tensor) -> None:
         self.client.init(key, value)
@@ -81,9 +91,17 @@ class Gradhub:
         self.server.close()
 
 
+class GradhubZmq(Gradhub):
+    name = "gradhub zmq"
+
+    def __init__(self) -> None:
+        super().__init__(client={"arena": False})
+
+
 class GradhubDurable(Gradhub):
     name = "gradhub --durable"
     max_push = 16 << 20
+    max_pull = 0
 
     def __init__(self, folder: str) -> None:
         # Checkpoints only when the log is full: each push pays its log write and fsync.
@@ -123,6 +141,59 @@ def concurrent_pushes(
     for c in clients:
         c.close()
     return sum(counts) / elapsed, {k: after[k] - before[k] for k in after}
+
+
+# ------------------------------------------------------------ raw pyzmq echo
+def _echo_server(address: Any) -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.bind("tcp://127.0.0.1:*")
+    address.put(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+    while True:
+        frames = sock.recv_multipart(copy=False)
+        if len(frames) == 2 and frames[1].bytes == b"stop":
+            break
+        sock.send_multipart(frames, copy=False)
+    sock.close(0)
+    ctx.term()
+
+
+class ZmqEcho:
+    """A DEALER sending the tensor's bytes to a ROUTER echo in another process."""
+
+    name = "raw zmq echo"
+    max_push = max_pull = 4 << 10
+
+    def __init__(self) -> None:
+        import zmq
+
+        ctx = mp.get_context("spawn")
+        address = ctx.Queue()
+        self.proc = ctx.Process(target=_echo_server, args=(address,), daemon=True)
+        self.proc.start()
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.connect(address.get(timeout=60))
+
+    def init(self, key: str, value: torch.Tensor) -> None:
+        pass
+
+    def push(self, key: str, grad: torch.Tensor) -> None:
+        self.sock.send(grad.numpy().tobytes())
+        self.sock.recv()
+
+    def pull(self, key: str, out: torch.Tensor) -> None:
+        self.sock.send(out.numpy().tobytes())
+        reply = bytearray(self.sock.recv())
+        out.copy_(torch.frombuffer(reply, dtype=out.dtype).view(out.shape))
+
+    def close(self) -> None:
+        self.sock.send_multipart([b"stop"])
+        self.sock.close(0)
+        self.ctx.term()
+        self.proc.join(10)
 
 
 # ---------------------------------------------------------------- torch RPC
@@ -242,12 +313,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=4, help="concurrent pushers")
     parser.add_argument("--seconds", type=float, default=3.0, help="per concurrent run")
     parser.add_argument("--only-gradhub", action="store_true", help="skip torch.rpc and Ray")
+    parser.add_argument(
+        "--no-concurrent", action="store_true", help="skip the concurrent pushers' table"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
 
     Path(args.out).mkdir(parents=True, exist_ok=True)
     wal_dir = tempfile.mkdtemp(prefix=".wal-", dir=args.out)  # on disk, not a tmpfs
-    systems: list[Any] = [Gradhub(), GradhubDurable(wal_dir)]
+    default, durable = Gradhub(), GradhubDurable(wal_dir)
+    systems: list[Any] = [default, GradhubZmq(), durable, ZmqEcho()]
     if not args.only_gradhub:
         systems.append(TorchRPC())
         try:
@@ -269,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.rounds):
                 for op in ("push", "pull"):
                     for s in systems:
-                        if isinstance(s, GradhubDurable) and (op == "pull" or nbytes > s.max_push):
+                        if nbytes > getattr(s, f"max_{op}", 1 << 40):
                             continue
                         if op == "push":
                             lat = _time(lambda s=s, k=key, g=grad: s.push(k, g), n)
@@ -278,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
                         samples.setdefault((label, op, s.name), []).extend(lat)
                         per_round.setdefault((label, op, s.name), []).append(statistics.median(lat))
             print(f"{label}: done", file=sys.stderr)
-        concurrent = _concurrent(systems[:2], args)
+        concurrent = [] if args.no_concurrent else _concurrent([default, durable], args)
     finally:
         for s in systems:
             s.close()
@@ -317,11 +392,56 @@ def main(argv: list[str] | None = None) -> int:
         "note": "one client and one server process on this machine; synchronous ops; "
         "the machine was shared with other jobs (loaded)",
     }
-    md = _markdown(rows, meta) + "\n" + _concurrent_markdown(concurrent, args)
-    report = {"meta": meta, "rows": rows, "concurrent": concurrent}
+    goals = _goals(per_round)
+    md = _markdown(rows, meta) + "\n" + _goals_markdown(goals)
+    if concurrent:
+        md += "\n" + _concurrent_markdown(concurrent, args)
+    report = {"meta": meta, "rows": rows, "goals": goals, "concurrent": concurrent}
     write_results(args.out, "parameter_server", report, md)
     print(md)
     return 0
+
+
+def _goals(per_round: dict[tuple[str, str, str], list[float]]) -> list[dict[str, Any]]:
+    """The same-host targets, each a ratio of p50s taken in the same rounds:
+    push/pull bandwidth of gradhub (arena) and gradhub zmq over torch.rpc's at
+    16 and 100 MB, and gradhub's 4-byte push p50 over the raw ZeroMQ echo's."""
+    out = []
+
+    def ratio(label: str, op: str, num: str, den: str) -> tuple[float, float, float] | None:
+        a, b = per_round.get((label, op, num)), per_round.get((label, op, den))
+        if not a or not b:
+            return None
+        r = [x / y for x, y in zip(a, b, strict=True)]
+        return statistics.median(r), min(r), max(r)
+
+    for label in ("16 MB", "100 MB"):
+        for op in ("push", "pull"):
+            for name in ("gradhub", "gradhub zmq"):
+                r = ratio(label, op, "torch.rpc", name)  # rpc time / ours = our GB/s / rpc's
+                if r is not None:
+                    what = f"{name} {op} GB/s / torch.rpc GB/s, {label}"
+                    out.append({"what": what, "goal": ">= 2", "ratio": r})
+    for op in ("push", "pull"):
+        r = ratio("4 B", op, "gradhub", "raw zmq echo")
+        if r is not None:
+            what = f"gradhub 4 B {op} p50 / raw zmq echo p50"
+            out.append({"what": what, "goal": "<= 2" if op == "push" else "", "ratio": r})
+    return out
+
+
+def _goals_markdown(goals: list[dict[str, Any]]) -> str:
+    lines = [
+        "Same-host targets: ratios of p50s taken in the same alternating rounds "
+        "(median [min, max] over rounds).",
+        "",
+        "| figure | goal | measured |",
+        "| --- | --- | --- |",
+    ]
+    for g in goals:
+        m, lo, hi = g["ratio"]
+        lines.append(f"| {g['what']} | {g['goal']} | {m:.2f} [{lo:.2f}, {hi:.2f}] |")
+    return "\n".join(lines) + "\n"
 
 
 def _concurrent(systems: list[Any], args: argparse.Namespace) -> list[dict[str, Any]]:

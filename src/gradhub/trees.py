@@ -40,6 +40,19 @@ def _child_path(path: str, key: object) -> str:
     return f"{base}[{key!r}]" if isinstance(key, str) else f"{base}[{key}]"
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """True if no element is NaN or infinite.
+
+    A NaN or infinite element makes the sum NaN or infinite, so a finite sum
+    proves every element finite in one read without a mask (``isfinite().all()``
+    is many times slower on CPU). Only a non-finite sum, which finite values can
+    also produce by overflowing, needs the exact elementwise check.
+    """
+    if bool(torch.isfinite(t.sum())):
+        return True
+    return bool(torch.isfinite(t).all())
+
+
 def as_tree(tree: Tree, *, path: str = ROOT) -> Tree:
     """Return ``tree`` with every NumPy array turned into a torch tensor.
 

@@ -55,6 +55,7 @@ from gradhub.optim import OptimizerFactory, OptimizerSpec
 from gradhub.ps.base import ParameterServer, Replicas, as_replicas, check_key, check_like
 from gradhub.ps.lanes import PriorityLanes
 from gradhub.ps.store import ParameterStore
+from gradhub.trees import all_finite
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +113,7 @@ class LocalParameterServer(ParameterServer):
         total = replicas[0].detach().to(device=device, copy=True)
         for g in replicas[1:]:
             total.add_(g.detach().to(device))
-        if total.is_floating_point() and not bool(torch.isfinite(total).all()):
+        if total.is_floating_point() and not all_finite(total):
             raise NonFiniteError(f"push of {key!r} holds NaN or infinity; nothing was queued")
         hyper = dict(hyperparameters) if hyperparameters else None
         return self._submit(key, priority, lambda: self._store.apply(key, total, hyper))

@@ -53,6 +53,7 @@ from gradhub.ps.config import secret_bytes
 from gradhub.ps.link import Request
 from gradhub.ps.placement import DEFAULT_SLICE_BYTES, Piece, layout, split
 from gradhub.ps.protocol import Message, Op
+from gradhub.trees import all_finite
 
 __all__ = ["DEFAULT_SLICE_BYTES", "RemoteParameterServer", "check_address"]
 
@@ -192,7 +193,7 @@ class RemoteParameterServer(ParameterServer):
         owned = len(reps) > 1
         if owned:
             total = torch.stack([r.to("cpu") for r in reps]).sum(0)
-        if total.is_floating_point() and not bool(torch.isfinite(total).all()):
+        if total.is_floating_point() and not all_finite(total):
             if self.nonfinite == "error":
                 raise NonFiniteError(
                     f"push of {key!r} holds NaN or infinity; nothing was sent\n- help: "

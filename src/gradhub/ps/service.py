@@ -59,6 +59,7 @@ from gradhub.ps.persist import Persistence
 from gradhub.ps.protocol import Message, Op, Status
 from gradhub.ps.store import ParameterStore
 from gradhub.ps.waits import Waits, client_timeout
+from gradhub.trees import all_finite
 
 log = logging.getLogger(__name__)
 
@@ -252,7 +253,7 @@ class Service:
         if h.codec != "none":
             grad = codecs.get(h.codec).decode(grad).to(value.dtype)
         check_like(msg.key, value, grad)
-        if grad.is_floating_point() and not bool(torch.isfinite(grad).all()):
+        if grad.is_floating_point() and not all_finite(grad):
             raise NonFiniteError(f"push of {msg.key!r} holds NaN or infinity; refused")
         hyper = msg.meta_json().get("hyperparameters")
         if hyper:
