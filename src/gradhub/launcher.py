@@ -48,6 +48,7 @@ import dataclasses
 import json
 import logging
 import os
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -269,15 +270,20 @@ def launch(config: LaunchConfig) -> int:
                 )
             publisher.name, publisher.daemon = "gradhub-publish", True
             publisher.start()
-        args = get_args_parser().parse_args(torchrun_args(config, port, place))
-        try:
-            run(args)
-        except ChildFailedError as exc:
-            ranks = ", ".join(
-                f"rank {rank} (exit code {f.exitcode})" for rank, f in exc.failures.items()
+        # torchrun's per-attempt error files, read when a worker fails; without
+        # a --log-dir it makes a /tmp/torchelastic_* folder per job and leaves it.
+        with tempfile.TemporaryDirectory(prefix="gradhub-run-") as logs:
+            args = get_args_parser().parse_args(
+                [f"--log-dir={logs}", *torchrun_args(config, port, place)]
             )
-            log.error("job failed: %s", ranks or exc)
-            return 1
+            try:
+                run(args)
+            except ChildFailedError as exc:
+                ranks = ", ".join(
+                    f"rank {rank} (exit code {f.exitcode})" for rank, f in exc.failures.items()
+                )
+                log.error("job failed: %s", ranks or exc)
+                return 1
         return 0
     finally:
         for h in handles:
