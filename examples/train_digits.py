@@ -5,10 +5,14 @@
     torchrun --nproc-per-node 4 examples/train_digits.py
     gradhub run -n 4 --servers 1 --ps-mode sync --ps-lr 0.05 --ps-momentum 0.9 \\
         examples/train_digits.py --strategy ps-sync
+    gradhub run -n 4 --max-restarts 2 examples/train_digits.py --run-dir runs/digits
     python examples/train_digits.py            # one process
 
 Every process runs this same script; ``gradhub.init()`` reads the launcher's
-environment and ``fit`` splits each batch over the processes.
+environment and ``fit`` splits each batch over the processes. With
+``--max-restarts``, give a ``--run-dir`` of your own: restarted workers resume
+from the checkpoints in it (the default folder's name holds the start time,
+which a restarted worker does not share).
 """
 
 from __future__ import annotations
