@@ -240,6 +240,11 @@ def timeout_job(
         with pytest.raises(StateError, match="broken"):
             p.get_weights(torch.zeros(size)).wait()
         store.set(f"test-done/{rank}", "1")
+        if rank == 0:  # hosts the store: it stays until the others have used it
+            store.wait(
+                [f"test-done/{r}" for r in range(world_size) if r != ABSENT],
+                timedelta(seconds=30),
+            )
         err = caught.value
         return (str(err), list(err.missing_ranks), err.operation, elapsed)
     finally:

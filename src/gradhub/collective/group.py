@@ -278,10 +278,15 @@ class CollectiveGroup:
             )
         )
 
-    def _timed_out(self, op: Operation, peer: int | None) -> CollectiveTimeoutError:
+    def _timed_out(
+        self, op: Operation, peer: int | None, absent: list[int] | None = None
+    ) -> CollectiveTimeoutError:
+        """The error of ``op`` timing out waiting on ``peer``; ``absent``: the
+        ranks known not to have entered it (read from the check-ins when not given)."""
         self._broken = f"{op.name} timed out"
         self._note(f"gave-up/{op.sequence}")
-        absent = self.missing_ranks(op.sequence)
+        if absent is None:
+            absent = self.missing_ranks(op.sequence)
         if absent:
             missing = absent
             detail = "not entered the operation"

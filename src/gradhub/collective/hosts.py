@@ -13,12 +13,15 @@ The identities are exchanged through the group's c10d store once per group.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
 from dataclasses import dataclass
 
 import torch.distributed as dist
+
+_log = logging.getLogger(__name__)
 
 HOST_ID_ENV = "GRADHUB_HOST_ID"
 
@@ -70,14 +73,35 @@ def exchange(
 ) -> tuple[list[str], list[int]]:
     """Every rank's ``value`` under ``key`` (set here, read from all ranks).
 
-    Returns ``(values by rank, [])``, or ``([], ranks that did not write theirs
-    within timeout seconds)``.
+    Returns ``(values by rank, [])``, or ``([], ranks that did not write theirs)``:
+    within ``timeout`` seconds, or before the store's host left.
     """
     store.set(f"{key}/{rank}", value)
     keys = [f"{key}/{r}" for r in range(world_size)]
-    if not wait_for_keys(store, keys, timeout):
-        return [], [r for r, k in enumerate(keys) if not store.check([k])]
-    return [store.get(k).decode() for k in keys], []
+    unseen = dict(enumerate(keys))
+    deadline = time.monotonic() + max(timeout, 0.0)
+    pause = 0.001
+    try:
+        # Polled like wait_for_keys, remembering who has written: when the
+        # store's host gives up on the same absent ranks first and takes the
+        # store with it, those ranks are still the ones to name.
+        while unseen and not store.check(list(unseen.values())):
+            for r in [r for r, k in unseen.items() if store.check([k])]:
+                del unseen[r]
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return [], sorted(unseen)
+            time.sleep(min(pause, left))
+            pause = min(2 * pause, 0.02)
+        unseen.clear()
+        return [store.get(k).decode() for k in keys], []
+    except RuntimeError as exc:  # the store's host is gone
+        if not unseen:
+            raise
+        _log.warning(
+            "rank %d: the store went away waiting for ranks %s: %s", rank, sorted(unseen), exc
+        )
+        return [], sorted(unseen)
 
 
 def wait_for_keys(store: dist.Store, keys: list[str], timeout: float) -> bool:

@@ -111,8 +111,8 @@ def _decide(group: CollectiveGroup, op: Operation) -> _Choice:
     values, missing = exchange(
         store, group.rank, group.world_size, f"{asked}|{host_identity()}", key, op.remaining()
     )
-    if missing:  # named by their check-ins, like any operation's timeout
-        raise group._timed_out(op, missing[0] if len(missing) == 1 else None)
+    if missing:  # they have not entered the operation: they wrote no transport key
+        raise group._timed_out(op, missing[0] if len(missing) == 1 else None, absent=missing)
     asks = [v.split("|", 1)[0] for v in values]
     if len(set(asks)) > 1:
         raise ValueError(
