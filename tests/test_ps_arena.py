@@ -77,6 +77,21 @@ def test_arena_and_zeromq_paths_apply_once_and_give_the_same_bits() -> None:
         assert torch.equal(value, through_arena[key]), key
 
 
+def test_a_caller_sends_and_receives_its_own_request() -> None:
+    with (
+        start_server(ServerConfig(optimizer="sgd", lr=1.0), in_thread=True) as server,
+        RemoteParameterServer(server.address, worker_id=1, timeout=20) as ps,
+    ):
+        ps.init("w", torch.zeros(1))
+        out = torch.empty(1)
+        # Holding the sockets' lock keeps the client's I/O thread out: the push and
+        # the pull complete only if this thread sends and receives them itself.
+        with ps._channel._io:
+            ps.push("w", torch.ones(1)).result(10)
+            ps.pull("w", out).result(10)
+        assert out.item() == -1.0
+
+
 def test_the_signature_covers_the_bytes_in_the_arena() -> None:
     region = bytearray(torch.arange(4.0).numpy().tobytes())
     view = torch.frombuffer(region, dtype=torch.float32)
