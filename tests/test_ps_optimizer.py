@@ -223,3 +223,25 @@ def test_a_key_keeps_its_spec_and_state_across_a_restart(tmp_path: Path) -> None
         out = torch.empty(5)
         ps.pull("w", out).result(10)
     assert torch.equal(out, _reference(ADAM, start, grads))
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_store_sgd_gives_torch_sgd_bits_with_a_changing_lr(momentum: float) -> None:
+    # Plain SGD is applied as value.add_(grad, alpha=-lr) without Optimizer.step;
+    # with momentum the step is torch's own. Both must be torch's bits.
+    from gradhub.ps.store import ParameterStore
+
+    spec = OptimizerSpec.of("sgd", lr=0.1, momentum=momentum)
+    start, grads = torch.randn(1000, generator=torch.Generator().manual_seed(1)), _grads(5, (1000,))
+    store = ParameterStore(spec)
+    store.init("w", start)
+    value = start.clone().requires_grad_(True)
+    opt = spec.build([value])
+    for i, g in enumerate(grads):
+        if i == 3:
+            store.set_hyperparameters("w", {"lr": 0.037})
+            opt.param_groups[0]["lr"] = 0.037
+        store.apply("w", g)
+        value.grad = g.clone()
+        opt.step()
+    assert torch.equal(store.value("w"), value.detach())
