@@ -207,6 +207,7 @@ def test_optimizer_none_matches_local_without_optimizer() -> None:
 def test_a_key_keeps_its_spec_and_state_across_a_restart(tmp_path: Path) -> None:
     config = ServerConfig(checkpoint_dir=str(tmp_path), name="opt")
     start, grads = torch.ones(5), _grads(4)
+    state = _reference_state(ADAM, start, grads[:2])[1]
     with (
         start_server(config, in_thread=True) as server,
         RemoteParameterServer(server.address, worker_id=1) as ps,
@@ -214,10 +215,14 @@ def test_a_key_keeps_its_spec_and_state_across_a_restart(tmp_path: Path) -> None
         ps.init("w", start, optimizer=ADAM)
         for g in grads[:2]:
             ps.push("w", g).result(10)
+        ps.init("s", start, optimizer=ADAM)
+        ps.set_optimizer_state("s", state, start)  # a state set, not stepped into
     with (
         start_server(config, in_thread=True) as server,  # restored from the checkpoint
         RemoteParameterServer(server.address, worker_id=1) as ps,
     ):
+        _same_state(ps.optimizer_state("w", start), state)
+        _same_state(ps.optimizer_state("s", start), state)
         for g in grads[2:]:
             ps.push("w", g).result(10)
         out = torch.empty(5)
