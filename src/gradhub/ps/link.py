@@ -12,15 +12,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import zmq
 
 from gradhub.errors import AuthenticationError, ClosedError, GradhubError
-from gradhub.ps.arena import ClientArena, Slot
 from gradhub.ps.lanes import PriorityLanes
 from gradhub.ps.protocol import Message, Op
+
+if TYPE_CHECKING:  # for types only: gradhub.ps.arena.client imports this module
+    from gradhub.ps.arena.client import ClientArena, Slot
 
 MUTATING = (Op.PUSH, Op.INIT, Op.SET_STATE)
 """Requests with a sequence number, applied exactly once and retained until durable."""

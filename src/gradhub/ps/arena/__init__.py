@@ -1,0 +1,76 @@
+"""Same-host payloads of the parameter server: a shared arena beside ZeroMQ.
+
+When a client and a server share a host (:func:`gradhub.collective.hosts.host_identity`:
+hostname, boot id and network namespace), tensor payloads of at least
+``min_bytes`` do not travel through ZeroMQ. They lie in anonymous ``memfd``
+segments (:mod:`gradhub.collective.shm_memory`) that the client creates and
+hands to the server over a Unix socket (``socket.send_fds``, abstract name),
+and the ZeroMQ message carries a locator (segment, offset, length) in place of
+the bytes. ZeroMQ still carries every request and reply, their signatures and
+their order.
+
+- Push and init: the client copies the tensor into one of its segments; the
+  server reads it where it lies (a view, no copy) and applies it.
+- Pull: the request names a segment of the client's; the server copies the
+  value into it and answers with its locator; the client copies it into the
+  worker's tensors.
+
+Lifetime: the client owns every segment (creates, reuses, retires it); the
+server maps the segments a client sends and unmaps them when that client's
+Unix connection ends, so a killed client's memory is freed at once, and a
+killed server's mappings end with its process. Nothing is named, so nothing
+is left behind. A server that closes says so on the connection first; a
+client that sees the connection end without it knows the server process died.
+
+A segment is reused only after a request that was sent once: a request sent
+again (a retry, a replay after a restart) may still be read or answered by the
+server from its first copy, so its segment is retired instead. Free segments
+are kept up to ``cache_bytes`` per server.
+
+Security decisions: the Unix socket accepts only processes of the server's
+user (``SO_PEERCRED``). With a shared secret, a client registers its arena
+with an HMAC of the server's nonce (from the signed hello reply) and its
+session, and every message's HMAC covers the arena bytes exactly as it covers
+a payload frame (:func:`gradhub.ps.protocol.encode`): the server checks the
+signature on the bytes it then reads, so the arena carries nothing the secret
+did not sign. Only the client that signed and the server map a segment.
+
+Off switch: ``GRADHUB_PS_ARENA=0`` in the environment of a client or a server,
+``RemoteParameterServer(arena=False)``, ``ServerConfig(arena=False)``
+(``gradhub serve --no-arena``). Without ``memfd_create`` or ``send_fds``
+(not Linux), on different hosts, or when the set-up fails, payloads take
+the ZeroMQ path as before.
+
+Modules: :mod:`~gradhub.ps.arena.client` (:class:`ClientArena`, :class:`Slot`),
+:mod:`~gradhub.ps.arena.server` (:class:`ServerArenas`), and
+:mod:`~gradhub.ps.arena.wire` (the Unix-socket messages and the registration's
+signature, shared by both).
+"""
+
+from __future__ import annotations
+
+import os
+
+from gradhub.collective.shm_memory import supported
+from gradhub.ps.arena.client import DEFAULT_CACHE_BYTES, DEFAULT_MIN_BYTES, ClientArena, Slot
+from gradhub.ps.arena.server import ServerArenas
+
+__all__ = [
+    "ARENA_ENV",
+    "DEFAULT_CACHE_BYTES",
+    "DEFAULT_MIN_BYTES",
+    "ClientArena",
+    "ServerArenas",
+    "Slot",
+    "enabled",
+]
+
+ARENA_ENV = "GRADHUB_PS_ARENA"
+
+
+def enabled(option: bool | None = None) -> bool:
+    """Whether the arena may be used: the option if given, else ``GRADHUB_PS_ARENA``
+    (``0``, ``off``, ``false`` or ``no`` turn it off), and the platform has it."""
+    if option is None:
+        option = os.environ.get(ARENA_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+    return option and supported()

@@ -1,0 +1,258 @@
+"""The client's side of the arena with one server: its segments, its Unix
+connection, and what a request becomes through them (:mod:`gradhub.ps.arena`)."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import logging
+import mmap
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gradhub.collective.hosts import host_identity
+from gradhub.collective.shm_memory import Mapping, new_segment
+from gradhub.errors import ProtocolError, WorkerFailedError
+from gradhub.ps.arena.wire import BYE, CREDS, FORGET, ID, NEW, REGISTER, SEGMENT, registration_mac
+from gradhub.ps.link import MUTATING, Request
+from gradhub.ps.protocol import ARENA_LOCATOR, Message, Op
+
+__all__ = ["DEFAULT_CACHE_BYTES", "DEFAULT_MIN_BYTES", "ClientArena", "Slot"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MIN_BYTES = 64 << 10
+"""Payloads below this many bytes keep the ZeroMQ path (a copy costs less than the bookkeeping)."""
+DEFAULT_CACHE_BYTES = 256 << 20
+"""Free segments a client keeps per server for reuse."""
+
+
+def _round_up(n: int) -> int:
+    page = mmap.PAGESIZE
+    return max(page, (n + page - 1) // page * page)
+
+
+@dataclass(eq=False)
+class Slot:
+    """One segment of a client's arena, lent to one request at a time."""
+
+    id: int
+    size: int
+    mapping: Mapping
+
+    def tensor(self, like: torch.Tensor) -> torch.Tensor:
+        """A view of the segment's first bytes with ``like``'s dtype and shape."""
+        assert self.mapping.bytes is not None
+        n = like.numel() * like.element_size()
+        return self.mapping.bytes[:n].view(like.dtype).view(like.shape)
+
+    def locator(self, nbytes: int) -> bytes:
+        return ARENA_LOCATOR.pack(self.id, 0, nbytes)
+
+
+class ClientArena:
+    """A client's arena with one server: its segments and its Unix connection.
+
+    Created from the server's hello reply (``info``); used by the client's I/O
+    thread only. Raises ``OSError`` when the server cannot be reached.
+    """
+
+    def __init__(
+        self,
+        info: dict[str, Any],
+        *,
+        session: int,
+        worker_id: int,
+        secret: bytes | None,
+        timeout: float,
+        min_bytes: int = DEFAULT_MIN_BYTES,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+    ) -> None:
+        self.min_bytes = max(1, min_bytes)
+        self.cache_bytes = cache_bytes
+        self.restartable = bool(info.get("restartable"))
+        self.said_bye = False
+        self._slots: dict[int, Slot] = {}
+        self._free: list[Slot] = []
+        self._ids = itertools.count(1)
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            self._sock.settimeout(timeout)
+            self._sock.connect("\0" + str(info["socket"]))
+            pid, _, _ = CREDS.unpack(
+                self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, CREDS.size)
+            )
+            self.server_pid = pid
+            register: dict[str, Any] = {"session": session, "worker": worker_id}
+            if secret:
+                nonce = bytes.fromhex(str(info["nonce"]))
+                register["mac"] = registration_mac(secret, nonce, session, worker_id)
+            self._sock.send(REGISTER + json.dumps(register).encode())
+        except (OSError, KeyError, ValueError) as exc:
+            self._sock.close()
+            raise OSError(f"shared arena unavailable: {exc}") from exc
+
+    @staticmethod
+    def offered(info: dict[str, Any]) -> bool:
+        """Whether a server's hello ``info`` offers an arena on this client's host."""
+        return bool(info.get("socket")) and info.get("host") == host_identity()
+
+    @classmethod
+    def connect(
+        cls,
+        hello: Message,
+        address: str,
+        *,
+        session: int,
+        worker_id: int,
+        secret: bytes | None,
+        timeout: float,
+        min_bytes: int,
+    ) -> ClientArena | None:
+        """The arena a server's hello reply offers, if this host is the server's;
+        ``None`` when it offers none here or the set-up fails (logged)."""
+        if not hello.payload:
+            return None
+        try:
+            info = json.loads(hello.text())
+            if not isinstance(info, dict) or not cls.offered(info):
+                return None
+            arena = cls(
+                info,
+                session=session,
+                worker_id=worker_id,
+                secret=secret,
+                timeout=timeout,
+                min_bytes=min_bytes,
+            )
+        except (OSError, ValueError) as exc:
+            log.info("no shared arena with %s: %s", address, exc)
+            return None
+        log.debug("shared arena with %s (pid %d)", address, arena.server_pid)
+        return arena
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def take(self, nbytes: int) -> Slot:
+        """A segment of at least ``nbytes`` for one request (a free one, or a new one
+        handed to the server before this returns)."""
+        fits = [s for s in self._free if nbytes <= s.size <= 4 * max(nbytes, self.min_bytes)]
+        if fits:
+            slot = min(fits, key=lambda s: s.size)
+            self._free.remove(slot)
+            return slot
+        size = _round_up(nbytes)
+        while self._free and self._cached() + size > self.cache_bytes:
+            self._retire(self._free.pop(0))
+        sid = next(self._ids)
+        fd = new_segment(size, "gradhub-ps")
+        try:
+            socket.send_fds(self._sock, [NEW + SEGMENT.pack(sid, size)], [fd])
+        except BaseException:
+            os.close(fd)
+            raise
+        slot = Slot(sid, size, Mapping(fd, size))
+        self._slots[sid] = slot
+        return slot
+
+    def holds(self, slot: Slot) -> bool:
+        return self._slots.get(slot.id) is slot
+
+    def give_back(self, slot: Slot, *, reuse: bool) -> None:
+        """Return ``slot`` after its request is answered or dropped; ``reuse`` only
+        if the request was sent once (else the server may still touch it)."""
+        if not self.holds(slot):
+            return
+        if reuse and self._cached() + slot.size <= self.cache_bytes:
+            self._free.append(slot)
+        else:
+            self._retire(slot)
+
+    def carry(self, req: Request) -> tuple[torch.Tensor | None, bytes, bytes | None]:
+        """(payload, meta, locator) of ``req`` through this arena: a push's tensor is
+        copied into a segment (once: a retry finds it there); a pull names the
+        segment its reply goes into. Small requests pass unchanged."""
+        if req.slot is not None and not self.holds(req.slot):
+            req.slot = None  # lent by an arena that is gone
+        if req.payload is not None and req.nbytes >= self.min_bytes and req.op in MUTATING:
+            if req.slot is None:
+                req.slot = self.take(req.nbytes)
+                req.slot.tensor(req.payload).copy_(req.payload)
+            return req.slot.tensor(req.payload), req.meta, req.slot.locator(req.nbytes)
+        if req.op == Op.PULL and req.reply_bytes >= self.min_bytes:
+            if req.slot is None:
+                req.slot = self.take(req.reply_bytes)
+            where = {"arena": [req.slot.id, 0, req.reply_bytes]}
+            return None, json.dumps(where).encode(), None
+        return req.payload, req.meta, None
+
+    def release(self, req: Request) -> None:
+        """Take back ``req``'s segment once the server is done with it."""
+        if req.slot is not None:
+            self.give_back(req.slot, reuse=req.sends == 1)
+            req.slot = None
+
+    def resolve(self, session: int, locator: bytes) -> memoryview:
+        """The bytes a reply's locator names in one of this client's segments."""
+        sid, offset, length = ARENA_LOCATOR.unpack(locator)
+        slot = self._slots.get(sid)
+        if slot is None or offset + length > slot.size:
+            raise ProtocolError(f"a reply names arena bytes this client does not hold ({sid})")
+        return memoryview(slot.mapping.mm)[offset : offset + length]
+
+    def alive(self) -> bool:
+        """Read what the server sent; ``False`` once the connection has ended."""
+        while True:
+            try:
+                data = self._sock.recv(16, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return True
+            except OSError:
+                return False
+            if not data:
+                return False
+            if data == BYE:
+                self.said_bye = True
+
+    def ended(self, address: str, timeout: float) -> WorkerFailedError | None:
+        """Once the connection has ended (:meth:`alive` said so): the error that fails
+        the requests to the server at ``address``; ``None`` when the server said
+        goodbye or restarts from its checkpoint (the client then waits for it, up
+        to ``timeout`` per request)."""
+        if self.said_bye:
+            return None  # the server closed: its goodbye on ZeroMQ says what follows
+        if self.restartable:
+            log.warning(
+                "parameter server %s (pid %d) died; waiting for it to restart from its "
+                "checkpoint (up to %gs per request)",
+                address,
+                self.server_pid,
+                timeout,
+            )
+            return None
+        return WorkerFailedError(
+            f"parameter server {address} (pid {self.server_pid}) died: its process "
+            "ended without closing, and it keeps no checkpoint to restart from"
+        )
+
+    def close(self) -> None:
+        for slot in self._slots.values():
+            slot.mapping.close()
+        self._slots.clear()
+        self._free.clear()
+        self._sock.close()
+
+    def _cached(self) -> int:
+        return sum(s.size for s in self._free)
+
+    def _retire(self, slot: Slot) -> None:
+        del self._slots[slot.id]
+        slot.mapping.close()
+        with contextlib.suppress(OSError):
+            self._sock.send(FORGET + ID.pack(slot.id), socket.MSG_DONTWAIT)
