@@ -18,6 +18,7 @@ PUBLIC = {
     "DuplicateParameterError",
     "FitConfig",
     "FitResult",
+    "GradScaler",
     "GradhubError",
     "GradhubTimeoutError",
     "LocalParameterServer",

@@ -11,9 +11,11 @@ Codecs shipped (``get(name)``):
 ===================  =======================================================
 ``"none"``           fp32 as is; exact.
 ``"fp16"``           IEEE half, round to nearest even; values beyond the
-                     half range saturate at +-65504. Relative error <= 2**-11
-                     for normal values; callers that sum on the wire scale
-                     (divide by the number of addends) before encoding.
+                     half range saturate at +-65504 (``FP16(saturate=False)``:
+                     they become inf, as a loss scaler needs to see them).
+                     Relative error <= 2**-11 for normal values; callers that
+                     sum on the wire scale (divide by the number of addends)
+                     before encoding.
 ``"bf16"``           bfloat16, round to nearest even; relative error <= 2**-8.
 ``"bf16-truncate"``  the high 16 bits of the fp32 pattern (BigDL's
                      FP16CompressedTensor): 1.111111 -> 1.109375, integers up
@@ -71,12 +73,25 @@ class NoCompression(Codec):
 
 
 class FP16(Codec):
+    """IEEE half. ``saturate`` (the default): a value beyond the half range is
+    sent as +-65504; ``saturate=False``: as inf (IEEE rounding), so an
+    overflow of loss-scaled gradients reaches the scaler's inf check."""
+
     name = "fp16"
     wire_dtype = torch.float16
     relative_error = 2.0**-11
 
+    def __init__(self, *, saturate: bool = True) -> None:
+        self.saturate = saturate
+
     def encode(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.to(torch.float32).clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
+        value = tensor.to(torch.float32)
+        if self.saturate:
+            value = value.clamp(-FP16_MAX, FP16_MAX)
+        return value.to(torch.float16)
+
+    def __repr__(self) -> str:
+        return f"FP16(saturate={self.saturate})"
 
 
 class BF16(Codec):

@@ -90,6 +90,9 @@ class AllReduceParameter:
         self.group = CollectiveGroup.of(group)
         self._owns_group = self.group is not group  # a wrapper made here is closed with self
         self.codec = codecs.get(compress)
+        self.gradient_codec = self.codec
+        """The codec of the gradients' wire; ``codec`` by default (the ``sharded``
+        strategy sets a non-saturating fp16 under loss scaling)."""
         self.size = size
         self.timeout = self.group.timeout if timeout is None else float(timeout)
         self.partition_id = self.group.rank
@@ -251,13 +254,14 @@ class AllReduceParameter:
         else:
             self._spec.flatten(tree, out=staging)  # validates before it writes
         self._covered = self.size
+        codec = self.gradient_codec
         self._pending = [
             self.group.submit(
                 "put_gradients",
                 lambda: run_reduce_scatter(
                     self.group,
                     staging,
-                    self.codec,
+                    codec,
                     out=self._gradients,
                     timeout=self.timeout,
                     pipeline=self._pipeline,
@@ -296,13 +300,14 @@ class AllReduceParameter:
         out = self._gradients[begin : begin + length] if length else self._gradients[:0]
         flat = segment.view(-1)
         self._covered += n
+        codec = self.gradient_codec
         self._pending.append(
             self.group.submit(
                 "put_gradient_segment",
                 lambda: run_reduce_scatter(
                     self.group,
                     flat,
-                    self.codec,
+                    codec,
                     out=out,
                     timeout=self.timeout,
                     pipeline=self._pipeline,

@@ -111,12 +111,21 @@ class Consistency:
         self.rounds_applied.pop(key, None)
         self.pending.pop(key, None)
 
-    def push(self, worker: int, key: str, grad: torch.Tensor) -> list[torch.Tensor]:
-        """Account for one push; returns the gradients to apply now, in order."""
+    def push(
+        self, worker: int, key: str, grad: torch.Tensor, *, skip: bool = False
+    ) -> list[torch.Tensor]:
+        """Account for one push; returns the gradients to apply now, in order.
+
+        ``skip``: a skip push (its step was skipped by a loss scaler): it
+        advances the worker's step and contributes nothing (async, ssp:
+        nothing to apply; sync: it joins its round as zeros).
+        """
         steps = self.steps.setdefault(key, {})
         if self.mode != "sync":
             steps[worker] = steps.get(worker, 0) + 1
-            return [grad]
+            return [] if skip else [grad]
+        if skip:
+            grad = torch.zeros_like(grad)
         applied = self.rounds_applied.setdefault(key, 0)
         rnd = max(steps.get(worker, 0), applied)
         steps[worker] = rnd + 1

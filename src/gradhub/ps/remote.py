@@ -179,15 +179,24 @@ class RemoteParameterServer(ParameterServer):
         *,
         priority: int = 0,
         hyperparameters: Mapping[str, Any] | None = None,
+        skip: bool = False,
     ) -> Future[None]:
         """Send the sum of ``grads``; the future is done once the server accepted it.
 
         ``hyperparameters`` travel in the same message (applied exactly once
-        with this push, also when it is retried or replayed).
+        with this push, also when it is retried or replayed). ``skip=True``
+        sends a *skip push* (a loss scaler skipped this step): the server
+        counts it as this worker's step on the key (ssp staleness; a sync
+        round, as a zero contribution) and applies nothing; send zeros.
         """
         self._check_open()
         check_key(key)
-        meta = _json({"hyperparameters": dict(hyperparameters)}) if hyperparameters else b""
+        fields: dict[str, Any] = {}
+        if hyperparameters:
+            fields["hyperparameters"] = dict(hyperparameters)
+        if skip:
+            fields["skip"] = True
+        meta = _json(fields) if fields else b""
         reps = [g.detach() for g in as_replicas(grads, what="grads")]
         total = reps[0]
         owned = len(reps) > 1

@@ -27,6 +27,9 @@ Decisions:
   :mod:`gradhub.ps.waits`); a sync or ssp pull that waits too long is answered
   with an error naming the workers it waits for.
 - A push holding NaN or infinity is refused (``NonFiniteError``), nothing changed.
+- A *skip push* (meta ``{"skip": true}``, sent for a step a loss scaler
+  skipped) counts as the worker's step on the key and applies nothing
+  (counted as ``push_skipped``, not in ``push_applied``).
 - A key's optimizer state is read (``STATE``) and replaced (``SET_STATE``) in
   the key's lane, so it reflects that client's earlier pushes (a sync push
   once its round is applied); ``SET_STATE`` is applied exactly once and
@@ -68,6 +71,7 @@ COUNTERS = (
     "replied",
     "init",
     "push_applied",
+    "push_skipped",
     "push_duplicate",
     "updates",
     "pull",
@@ -255,17 +259,22 @@ class Service:
         check_like(msg.key, value, grad)
         if grad.is_floating_point() and not all_finite(grad):
             raise NonFiniteError(f"push of {msg.key!r} holds NaN or infinity; refused")
-        hyper = msg.meta_json().get("hyperparameters")
+        meta = msg.meta_json()
+        hyper = meta.get("hyperparameters")
         if hyper:
             self.store.set_hyperparameters(msg.key, hyper)
+        skip = bool(meta.get("skip"))
         self.consistency.seen(h.worker_id, pushing=True)  # valid: a member from now on
-        for total in self.consistency.push(h.worker_id, msg.key, grad):
+        for total in self.consistency.push(h.worker_id, msg.key, grad, skip=skip):
             self._apply(msg.key, total)
         self.persist.log(msg)
         self.ledger.mark(h.worker_id, h.session, h.seq)
         self._dirty = True
-        self.counters["push_applied"] += 1
-        self.pushes_by_worker[h.worker_id] = self.pushes_by_worker.get(h.worker_id, 0) + 1
+        if skip:
+            self.counters["push_skipped"] += 1
+        else:
+            self.counters["push_applied"] += 1
+            self.pushes_by_worker[h.worker_id] = self.pushes_by_worker.get(h.worker_id, 0) + 1
         self._reply(msg, aux=self._durable_low(h.worker_id, h.session))
         self._wake(msg.key)
 

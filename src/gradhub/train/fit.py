@@ -25,10 +25,16 @@ Batches and outputs (decisions):
   (``scheduler_interval="step"``, the default) or after every epoch.
 - ``precision="bf16"``: forward and loss under ``torch.autocast`` in
   bfloat16 (parameters, gradients and the optimizer stay fp32), on CPU and
-  CUDA. ``precision="fp16"`` is refused on every device, with an error that
-  names bf16: fp16 needs dynamic loss scaling, and a step skipped for an
-  overflow on one rank must be skipped on all (a collective per step that
-  bf16, with fp32's range, does without).
+  CUDA. ``precision="fp16"``: the same in float16, with dynamic loss scaling
+  by :class:`gradhub.GradScaler` (the class an own loop uses; options from
+  ``grad_scaler=``): the loss is scaled before ``backward``; with
+  ``grad_clip`` the combined gradient is unscaled first, then clipped (torch's
+  AMP recipe); a step whose gradient overflowed is skipped on every rank
+  that shares it (see :mod:`gradhub.train.grad_scaler`). A skipped step
+  counts as a step (the step count, ``log_every``, checkpoints and a
+  per-step LR scheduler go on as for any step); step records carry
+  ``loss_scale`` (the scale the step used) and ``skipped``. The scaler's
+  state is in the checkpoints and is restored on resume.
 - A run folder that already has metrics is an error unless ``resume=True``
   (then the metrics continue the same files): a new run goes in a new folder.
 - A resumed job that had already finished returns the metrics of its last
@@ -76,6 +82,7 @@ from tqdm import tqdm
 
 from gradhub.train.checkpoint import CheckpointDir
 from gradhub.train.data import Source, Step, to_device
+from gradhub.train.grad_scaler import GradScaler
 from gradhub.train.logs import rank_logger
 from gradhub.train.metrics import MetricsWriter, metrics_file
 
@@ -192,10 +199,14 @@ class FitRun:
         self._check_run_dir()
         self.metrics = MetricsWriter(cfg.run_dir, runtime.rank)
         self.ckpt = CheckpointDir(path=folder, rank=runtime.rank) if folder is not None else None
+        half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
         self.autocast = (
-            torch.autocast(runtime.device.type, dtype=torch.bfloat16)
-            if cfg.precision == "bf16"
+            torch.autocast(runtime.device.type, dtype=half)
+            if half is not None
             else contextlib.nullcontext()
+        )
+        self.scaler = (
+            GradScaler(optimizer, **(cfg.grad_scaler or {})) if cfg.precision == "fp16" else None
         )
 
     def _checkpoint_plan(self) -> tuple[Path | None, bool]:
@@ -263,6 +274,8 @@ class FitRun:
                 self.opt.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
         self.strategy.steps = step
         self.log.info(
             "resumed from step %d (%s, written by %d rank(s))",
@@ -280,6 +293,7 @@ class FitRun:
             "model": self.model.state_dict(),
             "optimizer": self.opt.state_dict(),  # a collective under 'sharded'
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "last": last,
         }
         path = self.ckpt.save(step, state)
@@ -309,18 +323,30 @@ class FitRun:
             quiet = self.model.no_sync() if i != last else contextlib.nullcontext()
             with quiet:
                 output, loss = self._forward(batch)
-                (loss * (s.samples / local)).backward()
+                share = loss * (s.samples / local)
+                (share if self.scaler is None else self.scaler.scale(share)).backward()
             value = float(loss.detach())
             loss_sum += value * s.samples
             stats.add(_detach(output), batch, value, s.samples)
         if last < 0:
             self.strategy.sync_without_backward()
-        if self.cfg.grad_clip is not None:
-            self.model.strategy.clip_grad_norm_(self.cfg.grad_clip)
-        self.opt.step()
+        extra: dict[str, Any] = {}
+        if self.scaler is None:
+            if self.cfg.grad_clip is not None:
+                self.strategy.clip_grad_norm_(self.cfg.grad_clip)
+            self.opt.step()
+        else:
+            if self.cfg.grad_clip is not None:
+                self.scaler.unscale_(self.opt)  # clip the true gradient, not the scaled one
+                self.strategy.clip_grad_norm_(self.cfg.grad_clip)
+            skipped = self.strategy.skipped_steps
+            extra["loss_scale"] = self.scaler.get_scale()
+            self.scaler.step(self.opt)
+            self.scaler.update()
+            extra["skipped"] = self.strategy.skipped_steps > skipped
         if self.scheduler is not None and self.cfg.scheduler_interval == "step":
             self.scheduler.step()
-        return {"loss": loss_sum / local if local else None, "samples": local}
+        return {"loss": loss_sum / local if local else None, "samples": local, **extra}
 
     def evaluate(self, source: Source | None) -> torch.Tensor:
         stats = Stats(self.metric_fns)

@@ -85,8 +85,14 @@ class FitConfig:
     scheduler_interval: str = "step"
     """Step the scheduler after every optimizer ``"step"`` or every ``"epoch"``."""
     precision: str = "fp32"
-    """``"fp32"`` or ``"bf16"`` (forward and loss under autocast). ``"fp16"`` is
-    refused with an error naming bf16, on every device (see ``__post_init__``)."""
+    """``"fp32"``; ``"bf16"`` (forward and loss under autocast in bfloat16); or
+    ``"fp16"`` (autocast in float16 with dynamic loss scaling by
+    :class:`gradhub.GradScaler`, a step skipped for an overflow skipped on
+    every rank that shares it). Parameters, gradients and the optimizer stay
+    fp32; on every device (CPU autocast included)."""
+    grad_scaler: dict[str, Any] | None = None
+    """Options of the :class:`gradhub.GradScaler` of ``precision="fp16"``
+    (``init_scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``)."""
     metrics: Sequence[str | Metric] = ("accuracy",)
     """``"accuracy"`` (reported where it applies) and callables ``fn(output, batch)``."""
 
@@ -95,15 +101,22 @@ class FitConfig:
             raise ValueError(
                 f"scheduler_interval is 'step' or 'epoch', got {self.scheduler_interval!r}"
             )
-        if self.precision == "fp16":
-            raise ValueError(
-                "precision='fp16' is not supported, on CPU or on CUDA: fp16 ends at 65504, "
-                "so it needs dynamic loss scaling, whose skip-the-step decision every rank "
-                "would have to share\n- help: use precision='bf16' (fp32's range, no loss "
-                "scaling; autocast on CPU and on CUDA)"
-            )
-        if self.precision not in ("fp32", "bf16"):
-            raise ValueError(f"precision is 'fp32' or 'bf16', got {self.precision!r}")
+        if self.precision not in ("fp32", "bf16", "fp16"):
+            raise ValueError(f"precision is 'fp32', 'bf16' or 'fp16', got {self.precision!r}")
+        if self.grad_scaler is not None:
+            if self.precision != "fp16":
+                raise ValueError(
+                    f"grad_scaler options apply to precision='fp16' only, got "
+                    f"precision={self.precision!r}\n- help: bf16 and fp32 need no loss "
+                    "scaling; drop grad_scaler or set precision='fp16'"
+                )
+            valid = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
+            unknown = sorted(set(self.grad_scaler) - set(valid))
+            if unknown:
+                raise ValueError(
+                    f"unknown grad_scaler option(s): {', '.join(unknown)}\n- help: valid "
+                    f"options are {', '.join(valid)}"
+                )
         for m in self.metrics:
             if isinstance(m, str) and m != "accuracy":
                 raise ValueError(f"unknown metric {m!r}; give 'accuracy' or a callable")

@@ -35,6 +35,19 @@ strategy (one module each):
 - :meth:`refresh` brings the local model up to date with the shared
   parameters (a no-op where every step already leaves the replicas equal).
 - :meth:`close` releases hooks, sockets and threads; idempotent.
+- Loss scaling (:class:`gradhub.GradScaler`, ``precision="fp16"``): after the
+  synchronising backward, :meth:`unscale_` multiplies the *combined*
+  gradient (the one :meth:`apply` and :meth:`clip_grad_norm_` use) by
+  ``1 / scale`` and says whether it holds inf or NaN. Every rank whose
+  update depends on the others' (``allreduce``, ``sharded``, ``ps-sync``)
+  gets the same answer; ``ps-async``/``ps-ssp`` decide per worker, since a
+  worker's push is applied on its own. On "found inf" the scaler calls
+  :meth:`skip` instead of :meth:`apply`: no update, the per-step bookkeeping
+  is reset as by a step. A skipped step counts in :attr:`steps` (the loop's
+  step count, as ``fit`` and its checkpoints count) and in
+  :attr:`skipped_steps`. :meth:`use_loss_scaling` tells the strategy that
+  gradients are scaled from now on, so that a wire codec lets an overflow
+  through as inf instead of saturating it into a finite, wrong value.
 - A peer that dies or stops answering makes a step raise
   :class:`~gradhub.errors.WorkerFailedError` naming it, or
   :class:`~gradhub.errors.CollectiveTimeoutError`, within the runtime's
@@ -83,7 +96,9 @@ class Strategy(abc.ABC):
         self._runtime: Runtime | None = None
         self._closed = False
         self.steps = 0
-        """Optimizer steps completed by this process."""
+        """Optimizer steps completed by this process (skipped ones included)."""
+        self.skipped_steps = 0
+        """Steps skipped by a loss scaler for an overflow (see :meth:`skip`)."""
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.params: list[torch.nn.Parameter] = []
@@ -213,12 +228,78 @@ class Strategy(abc.ABC):
             self._stepping = False
             self._synced = False
             self._samples = None
+        self._step_done()
+
+    def _step_done(self) -> None:
         # An LR scheduler made on the original optimizer counts that optimizer's
         # steps; where it is not stepped itself, record the step the scheduler expects.
         opt = self.optimizer
         if opt is not None and hasattr(opt.step, "_wrapped_by_lr_sched"):
             opt._opt_called = True  # type: ignore[attr-defined]
         self.steps += 1
+
+    # loss scaling (gradhub.GradScaler) ---------------------------------------------
+
+    def use_loss_scaling(self) -> None:
+        """Gradients are loss-scaled from now on (called by :class:`gradhub.GradScaler`).
+
+        Default: nothing to change. A strategy whose wire codec saturates
+        (``sharded`` with ``compress="fp16"``) switches to one that turns an
+        overflow into inf, so :meth:`unscale_` finds it.
+        """
+        return None
+
+    def unscale_(self, inv_scale: float) -> bool:
+        """Multiply the combined gradient by ``inv_scale``; True if it holds inf or NaN.
+
+        Call it after the synchronising backward, before :meth:`clip_grad_norm_`
+        and :meth:`apply` / :meth:`skip`. The answer is the same on every rank
+        that shares the step (see the module docstring).
+        """
+        self._check_step_ready("unscale_")
+        return self._unscale(float(inv_scale))
+
+    def _unscale(self, inv_scale: float) -> bool:
+        """Default: the ``.grad`` of the parameters is the combined gradient,
+        the same bits on every rank (``allreduce``), so a local check agrees."""
+        return unscale_tensors([p.grad for p in self.params if p.grad is not None], inv_scale)
+
+    def skip(self) -> None:
+        """End this step without an update (a loss scaler found inf).
+
+        Resets the per-step bookkeeping as :meth:`apply` does, so the next
+        backward is the next step's; counts in :attr:`steps` and
+        :attr:`skipped_steps`. Every rank that shares the step skips it
+        (the scaler's agreed decision); under ``ps-ssp`` the skip still
+        advances this worker's clock on the servers (see :mod:`.ps`).
+        """
+        self._check_step_ready("skip")
+        try:
+            self._skip()
+        finally:
+            self._synced = False
+            self._samples = None
+        self.skipped_steps += 1
+        self._step_done()
+
+    def _skip(self) -> None:
+        """Drop what this step prepared for :meth:`_apply` (default: nothing)."""
+        return None
+
+    def _agree(self, found: bool) -> bool:
+        """True on every rank if ``found`` on any (one all-reduce of a flag)."""
+        flag = torch.tensor([1.0 if found else 0.0], device=self.params[0].device)
+        return bool(self.runtime.all_reduce_sum(flag, where="loss scaling: found inf")[0] > 0)
+
+    def _check_step_ready(self, what: str) -> None:
+        if self._in_backward:
+            raise MisuseError(f"{what} called during backward()")
+        if not self._synced:
+            raise MisuseError(
+                f"{what} without a backward() outside no_sync() since the last step: the "
+                "gradients were never combined across ranks\n- help: call it after the "
+                "last micro-batch's backward, before optimizer.step()"
+            )
 
     def step(self, closure: Closure, samples: int, global_samples: int) -> None:
         """One whole step: weights, backward (if ``samples``), combine, update."""
@@ -336,3 +417,17 @@ class Strategy(abc.ABC):
     def _wait(self, work: Any, operation: str) -> None:
         """Bounded wait on a c10d work item; failures name the rank(s) responsible."""
         self.runtime.wait(work, operation, where=f"step {self.steps} of strategy {self.name!r}")
+
+
+def unscale_tensors(tensors: list[torch.Tensor], inv_scale: float) -> bool:
+    """Multiply ``tensors`` in place by ``inv_scale``; True if any holds inf or NaN.
+
+    torch's own kernel (the one ``torch.amp.GradScaler`` uses), so the bits
+    match a single-process run under torch's scaler.
+    """
+    if not tensors:
+        return False
+    found = torch.zeros(1, dtype=torch.float32, device=tensors[0].device)
+    inv = torch.full((1,), inv_scale, dtype=torch.float32, device=tensors[0].device)
+    torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, inv)
+    return bool(found.item() > 0)

@@ -52,6 +52,18 @@ Decisions:
   gradient; under ``ps-async``/``ps-ssp`` no global gradient exists and each
   worker's weighted gradient is clipped by its own norm before the push.
 - Model buffers (e.g. batch-norm statistics) stay local to each worker.
+- Loss scaling (:class:`gradhub.GradScaler`): ``unscale_`` unscales the
+  worker's gradient before it is pushed, so only unscaled values travel (the
+  ``"fp16"`` wire never carries a scaled gradient). Under ``ps-sync`` the
+  found-inf flag is all-reduced over the runtime's group: every worker skips
+  the same step and pushes nothing, so no round waits for a missing push.
+  Under ``ps-async``/``ps-ssp`` each worker decides alone (its push is
+  applied on its own; nobody waits for it) and its scale follows its own
+  gradients. A skipped ``ps-ssp`` step sends a *skip push* of every key:
+  the servers count it as the worker's step (the staleness clock moves on,
+  so the others never wait for a push that does not come) and apply
+  nothing. A skipped ``ps-async`` step pushes nothing. Both then pull, as a
+  step does.
 - After torchrun restarted the workers (``gradhub run --max-restarts N``),
   the servers, which kept running, keep their values, and under ``ps-sync``
   and ``ps-ssp`` every worker first catches up with the highest step any
@@ -76,7 +88,7 @@ import torch.distributed as dist
 from gradhub._config import config_or_options
 from gradhub.errors import DuplicateParameterError, GradhubError, GradhubTimeoutError
 from gradhub.optim import OptimizerSpec
-from gradhub.train.strategies.base import Strategy
+from gradhub.train.strategies.base import Strategy, unscale_tensors
 
 log = logging.getLogger(__name__)
 
@@ -331,6 +343,25 @@ class _PSStrategy(Strategy):
             hyper = changes[g] if changes else None
             pushes.append(self._client.push(name, grad, priority=-i, hyperparameters=hyper))
         self._settle(pushes)
+        self.refresh()
+
+    def _unscale(self, inv_scale: float) -> bool:
+        grads = [p.grad for _, p, _ in self._keys if p.grad is not None]
+        if self._combined is not None:  # ps-sync, clipped before unscaling
+            grads.append(self._combined)
+        found = unscale_tensors(grads, inv_scale)
+        return self._agree(found) if self.mode == "sync" else found
+
+    def _skip(self) -> None:
+        self._combined = None
+        if self.mode == "sync":  # every worker skips: nothing to push, nothing changed
+            return
+        if self.mode == "ssp":
+            pushes = [
+                self._client.push(name, torch.zeros_like(p), priority=-i, skip=True)
+                for i, (name, p, _) in enumerate(self._keys)
+            ]
+            self._settle(pushes)
         self.refresh()
 
     # the optimizer state, which lives on the servers -----------------------------

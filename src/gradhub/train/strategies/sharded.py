@@ -36,6 +36,14 @@ Decisions:
   collective: call it on every rank); ``load_state_dict`` takes such a dict
   from a job of any world size or a plain optimizer, and keeps this rank's part.
 - Model buffers are broadcast from rank 0 at set-up, not per step.
+- Loss scaling (:class:`gradhub.GradScaler`): ``unscale_`` waits for the
+  reduce-scatter, unscales this rank's slice of the sum and all-reduces the
+  found-inf flag over the group, so every rank skips the same steps. The
+  ``"fp16"`` wire codec saturates at +-65504; with loss scaling on, the
+  gradients travel in a non-saturating fp16 instead (an overflow on the
+  wire, of one rank's value or of a partial sum, becomes inf), so a scaled
+  gradient too large for the wire counts as found inf and is never applied
+  as a clipped value. The weights' wire keeps the saturating codec.
 """
 
 from __future__ import annotations
@@ -52,7 +60,7 @@ from gradhub._config import config_or_options
 from gradhub.collective import AllReduceParameter, ShardedOptimizer
 from gradhub.errors import MisuseError
 from gradhub.optim import OptimizerSpec
-from gradhub.train.strategies.base import Strategy
+from gradhub.train.strategies.base import Strategy, unscale_tensors
 
 
 @dataclass(kw_only=True)
@@ -214,6 +222,18 @@ class ShardedStrategy(Strategy):
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         grad.mul_(coef)
         return norm
+
+    def use_loss_scaling(self) -> None:
+        assert self._arp is not None
+        if isinstance(self._arp.gradient_codec, codecs.FP16):
+            self._arp.gradient_codec = codecs.FP16(saturate=False)
+
+    def _unscale(self, inv_scale: float) -> bool:
+        return self._agree(unscale_tensors([self._reduce()], inv_scale))
+
+    def _skip(self) -> None:
+        self._reduce()  # every segment waited for, even if nobody unscaled
+        self._reduced = None
 
     def _apply(self) -> None:
         assert self._arp is not None and self._opt is not None and self.optimizer is not None
