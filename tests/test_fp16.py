@@ -53,9 +53,14 @@ def flat(model: nn.Module) -> np.ndarray:
 # --- fit(precision="fp16") under every strategy ------------------------------------------
 
 
-def fit_every_strategy(rank: int, world: int, servers: dict[str, str]) -> dict[str, Any]:
+def every_job(rank: int, world: int, servers: dict[str, str]) -> dict[str, Any]:
+    """All multi-process checks of this file in one job (one start of 2 processes)."""
     with gradhub.init(timeout=30) as runtime:
-        return {name: _fit_one(name, runtime, servers) for name in STRATEGIES}
+        out = {name: _fit_one(name, runtime, servers) for name in STRATEGIES}
+        out["reference"] = _own_loop(rank, world, runtime)
+        out["powersgd"] = _own_loop(rank, world, runtime, compress="powersgd")
+        out["wire"] = {c: _wire_overflow(rank, runtime, c) for c in ("allreduce", "sharded")}
+        return out
 
 
 def _fit_one(name: str, runtime: Any, servers: dict[str, str]) -> dict[str, Any]:
@@ -63,7 +68,8 @@ def _fit_one(name: str, runtime: Any, servers: dict[str, str]) -> dict[str, Any]
     options = {"servers": [servers[name]], "timeout": 30} if name in servers else {}
     strategy = make_strategy(name, **options)
     model = mlp()
-    before = float(F.cross_entropy(model(x), y))
+    with torch.no_grad():
+        before = float(F.cross_entropy(model(x), y))
     records: list[dict[str, Any]] = []
     params: list[np.ndarray] = []
 
@@ -85,7 +91,8 @@ def _fit_one(name: str, runtime: Any, servers: dict[str, str]) -> dict[str, Any]
         dist.barrier()  # every push is in: the servers' values are final
         strategy.refresh()
         gradhub.check_in_sync(model, runtime)  # raises naming the ranks that differ
-        after = float(F.cross_entropy(model(x), y))
+        with torch.no_grad():
+            after = float(F.cross_entropy(model(x), y))
     return {
         "losses": (before, after),
         "skipped": [r["skipped"] for r in records],
@@ -98,7 +105,7 @@ def _fit_one(name: str, runtime: Any, servers: dict[str, str]) -> dict[str, Any]
 
 
 @pytest.fixture(scope="module")
-def fit_results() -> Iterator[list[Any]]:
+def results() -> Iterator[list[Any]]:
     with (
         start_server(ServerConfig(mode="sync", workers=2), in_thread=True) as sync,
         start_server(ServerConfig(mode="async", workers=2), in_thread=True) as asyn,
@@ -107,13 +114,13 @@ def fit_results() -> Iterator[list[Any]]:
         start_server(ServerConfig(mode="ssp", workers=2, max_staleness=0), in_thread=True) as ssp,
     ):
         servers = {"ps-sync": sync.address, "ps-async": asyn.address, "ps-ssp": ssp.address}
-        yield [r.value for r in run_ranks(fit_every_strategy, 2, servers, timeout=120)]
+        yield [r.value for r in run_ranks(every_job, 2, servers, timeout=150)]
 
 
 @pytest.mark.parametrize("name", STRATEGIES)
-def test_fit_fp16_trains_and_keeps_replicas_equal(fit_results: list[Any], name: str) -> None:
+def test_fit_fp16_trains_and_keeps_replicas_equal(results: list[Any], name: str) -> None:
     for rank in (0, 1):
-        run = fit_results[rank][name]
+        run = results[rank][name]
         before, after = run["losses"]
         assert after < 0.9 * before, (rank, run["losses"])
         assert run["steps"] == STEPS  # a skipped step counts as a step
@@ -122,9 +129,9 @@ def test_fit_fp16_trains_and_keeps_replicas_equal(fit_results: list[Any], name: 
 
 @pytest.mark.parametrize("name", AGREED)
 def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(
-    fit_results: list[Any], name: str
+    results: list[Any], name: str
 ) -> None:
-    zero, one = fit_results[0][name], fit_results[1][name]
+    zero, one = results[0][name], results[1][name]
     # Only rank 1's data overflowed; rank 0 skipped the same steps.
     assert zero["skipped"] == one["skipped"] == [True] * POISONED + [False] * (STEPS - POISONED)
     assert zero["skipped_steps"] == one["skipped_steps"] == POISONED
@@ -138,8 +145,8 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(
 
 
 @pytest.mark.parametrize("name", ["ps-async", "ps-ssp"])
-def test_asynchronous_workers_skip_on_their_own(fit_results: list[Any], name: str) -> None:
-    zero, one = fit_results[0][name], fit_results[1][name]
+def test_asynchronous_workers_skip_on_their_own(results: list[Any], name: str) -> None:
+    zero, one = results[0][name], results[1][name]
     assert zero["skipped_steps"] == 0 and not any(zero["skipped"])
     assert one["skipped"] == [True] * POISONED + [False] * (STEPS - POISONED)
     assert zero["scales"] == [2.0**16] * STEPS
@@ -158,16 +165,16 @@ REF_OPTIONS = {"init_scale": 2.0**40, "backoff_factor": 2.0**-10}
 # overflow decision the same as the single process's on the whole batch.
 
 
-def own_loop_jobs(rank: int, world: int) -> dict[str, Any]:
+def _own_loop(rank: int, world: int, runtime: Any, **options: Any) -> dict[str, Any]:
+    """``allreduce``, each rank on its half of every global batch."""
     x, y = data(BATCH * REF_STEPS)
-    out: dict[str, Any] = {}
-    with gradhub.init(timeout=30) as runtime:
-        base = mlp()
-        model, opt = gradhub.prepare(
-            base, torch.optim.SGD(base.parameters(), lr=0.1), runtime=runtime
-        )
-        scaler = gradhub.GradScaler(opt, **REF_OPTIONS)
-        scales, params = [], []
+    base = mlp()
+    model, opt = gradhub.prepare(
+        base, torch.optim.SGD(base.parameters(), lr=0.1), runtime=runtime, **options
+    )
+    scaler = gradhub.GradScaler(opt, **REF_OPTIONS)
+    scales, params = [], []
+    with opt:
         for step in range(REF_STEPS):
             rows = slice(step * BATCH + rank, (step + 1) * BATCH, world)
             opt.zero_grad()
@@ -178,10 +185,7 @@ def own_loop_jobs(rank: int, world: int) -> dict[str, Any]:
             scales.append(scaler.get_scale())
             scaler.update()
             params.append(flat(base))
-        out["reference"] = {"scales": scales, "params": params, "state": scaler.state_dict()}
-        opt.close()
-        out["wire"] = {c: _wire_overflow(rank, runtime, c) for c in ("allreduce", "sharded")}
-    return out
+    return {"scales": scales, "params": params, "state": scaler.state_dict()}
 
 
 def _wire_overflow(rank: int, runtime: Any, strategy: str) -> dict[str, Any]:
@@ -243,18 +247,13 @@ def torch_reference() -> dict[str, Any]:
     return {"scales": scales, "params": params, "state": scaler.state_dict()}
 
 
-@pytest.fixture(scope="module")
-def own_loop_results() -> list[Any]:
-    return [r.value for r in run_ranks(own_loop_jobs, 2, timeout=120)]
-
-
 def test_allreduce_matches_torch_grad_scaler_on_the_whole_batch(
-    own_loop_results: list[Any],
+    results: list[Any],
 ) -> None:
     want = torch_reference()
     initial = flat(mlp())
     for rank in (0, 1):
-        got = own_loop_results[rank]["reference"]
+        got = results[rank]["reference"]
         # The same scales step by step: 3 skipped steps, then 2**10 to the end.
         assert got["scales"] == want["scales"] == [2.0**40, 2.0**30, 2.0**20] + [2.0**10] * 3
         assert got["state"] == want["state"]
@@ -269,11 +268,21 @@ def test_allreduce_matches_torch_grad_scaler_on_the_whole_batch(
         assert not np.array_equal(got["params"][-1], initial)
 
 
+def test_powersgd_state_survives_a_skipped_step(results: list[Any]) -> None:
+    """The skipped steps' inf would stay in PowerSGD's error feedback and warm
+    start and make every later step overflow: they are dropped instead."""
+    for rank in (0, 1):
+        got = results[rank]["powersgd"]
+        assert got["scales"] == [2.0**40, 2.0**30, 2.0**20] + [2.0**10] * 3
+        assert np.isfinite(got["params"][-1]).all()
+        assert not np.array_equal(got["params"][-1], got["params"][2])
+
+
 @pytest.mark.parametrize("strategy", ["allreduce", "sharded"])
 def test_an_fp16_wire_overflow_is_found_inf_not_a_saturated_value(
-    own_loop_results: list[Any], strategy: str
+    results: list[Any], strategy: str
 ) -> None:
-    zero, one = (own_loop_results[r]["wire"][strategy] for r in (0, 1))
+    zero, one = (results[r]["wire"][strategy] for r in (0, 1))
     assert zero["skipped"] == one["skipped"]  # agreed
     # 2**24 and 2**20 put values beyond 65504 on the wire: skipped, never applied
     # saturated (the fp16 codec would clamp them to 65504); at 2**16 every value,

@@ -42,6 +42,10 @@ Decisions (where the paper and torch's ``powerSGD_hook`` leave a choice):
   ``ValueError``.
 - Columns of ``P`` that are all zero (a matrix whose gradient is zero) stay
   zero instead of becoming NaN.
+- A step a loss scaler skipped (its gradient held inf or NaN, every rank
+  skips it) left inf or NaN in the error and ``Q``: :meth:`PowerSGD.step_skipped`
+  drops both, and the next step starts as the first did (no error, ``Q``
+  from the shared seed), the same on every rank.
 """
 
 from __future__ import annotations
@@ -161,6 +165,11 @@ class PowerSGD:
             self._all_reduce(bucket, "all_reduce")
             return
         self._compressed(bucket, state, bucket_index)
+
+    def step_skipped(self) -> None:
+        """The step just reduced was skipped (inf or NaN): forget what it left behind."""
+        for state in self._buckets.values():
+            state.error, state.qs = None, []
 
     # state -----------------------------------------------------------------------
 

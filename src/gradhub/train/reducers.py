@@ -27,6 +27,10 @@ Contract:
   one) to start the reduction without a thread; the strategy then calls it
   from the backward hooks instead of running ``reduce`` on its thread.
 
+- A reducer that keeps state from step to step may offer ``step_skipped()``:
+  called on every rank when a loss scaler skipped the step just reduced (its
+  gradients held inf or NaN), so that state is not poisoned for later steps.
+
 ``compress=`` of the ``allreduce`` strategy picks one by name from
 :func:`available`: ``"none"`` (a plain fp32 all-reduce), ``"fp16"`` and
 ``"bf16"`` (the bucket is rounded to 16 bits, summed in 16 bits, and widened

@@ -32,6 +32,12 @@ Decisions:
   zero if no rank used it).
 - Buffers (e.g. batch-norm statistics) are broadcast from rank 0 at set-up,
   not on every step.
+- Loss scaling (:class:`gradhub.GradScaler`): every bucket is waited for
+  when backward ends, so ``unscale_`` reads reduced gradients, the same bits
+  on every rank: the found-inf check is local and agrees by construction. An
+  overflow on the wire (``compress="fp16"`` casts to half without
+  saturating, and sums in half) arrives as inf and counts as found inf. A
+  skipped step calls the reducer's ``step_skipped()`` where it has one.
 """
 
 from __future__ import annotations
@@ -219,6 +225,11 @@ class AllReduceStrategy(Strategy):
     def _apply(self) -> None:
         assert self.optimizer is not None
         self.optimizer.step()
+
+    def _skip(self) -> None:
+        skipped = getattr(self._reducer, "step_skipped", None)
+        if skipped is not None:  # e.g. PowerSGD's error feedback holds this step's inf
+            skipped()
 
     def close(self) -> None:
         if self._thread is not None:
