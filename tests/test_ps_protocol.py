@@ -127,6 +127,68 @@ def test_fuzz_mutated_valid_frames(frame: int, pos: int, value: int, secret: byt
         assert msg.tensor().numel() * msg.tensor().element_size() == msg.header.payload_len
 
 
+def _packed(tensor: torch.Tensor | None, secret: bytes | None = None, meta: bytes = b"") -> bytes:
+    header = Header(op=Op.PUSH, request_id=7, worker_id=3, session=11, seq=5, priority=-2)
+    frames = protocol.encode(header, "w", tensor, meta=meta, secret=secret, pack=True)
+    assert len(frames) == 1
+    return bytes(frames[0])
+
+
+@pytest.mark.parametrize("secret", [None, SECRET])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64, torch.bool])
+def test_packed_round_trip(secret: bytes | None, dtype: torch.dtype) -> None:
+    t = (torch.arange(12).reshape(3, 4) % 3).to(dtype)
+    packed = _packed(t, secret, meta=b'{"a": 1}')
+    msg = protocol.decode([packed], secret=secret)
+    assert msg.header.flags & protocol.FLAG_PACKED and msg.key == "w"
+    assert msg.meta_json() == {"a": 1} and torch.equal(msg.tensor(), t)
+    # the same bytes as the four frames, so the same signature
+    loose = _frames(t, secret)
+    if secret:
+        assert packed[-protocol.MAC_SIZE :] != loose[4]  # the header says "packed"
+    assert packed[protocol.HEADER_SIZE :].startswith(loose[1])
+
+
+def test_packed_only_when_small_and_checked() -> None:
+    big = torch.zeros(protocol.PACK_MAX // 4 + 1)
+    assert len(protocol.encode(Header(op=Op.PUSH), "k", big, pack=True)) == 4
+    assert len(protocol.encode(Header(op=Op.PUSH), "k", big[:-1], pack=True)) == 1
+    packed = _packed(torch.ones(3), SECRET)
+    with pytest.raises(AuthenticationError):
+        protocol.decode([packed], secret=b"wrong")
+    tampered = bytearray(packed)
+    tampered[-protocol.MAC_SIZE - 1] ^= 1  # a payload byte
+    with pytest.raises(AuthenticationError):
+        protocol.decode([bytes(tampered)], secret=SECRET)
+    with pytest.raises(ProtocolError, match=r"too short|header says"):
+        protocol.decode([packed[:-40]], secret=SECRET)
+    with pytest.raises(ProtocolError, match="not packed"):
+        protocol.decode([_frames(torch.ones(3))[0]])
+    loose = protocol.encode(Header(op=Op.PUSH), "k", torch.ones(3))
+    assert protocol.peek_header([packed]) is not None
+    with pytest.raises(ProtocolError, match="packed"):
+        protocol.decode([packed[: protocol.HEADER_SIZE], *loose[1:]])
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    pos=st.integers(0, 400),
+    value=st.integers(0, 255),
+    cut=st.integers(0, 400),
+    secret=st.sampled_from([None, SECRET]),
+)
+def test_fuzz_mutated_packed_frame(pos: int, value: int, cut: int, secret: bytes | None) -> None:
+    frame = bytearray(_packed(torch.arange(6.0).reshape(2, 3), secret, meta=b"{}"))
+    frame[pos % len(frame)] = value
+    del frame[len(frame) - cut % 8 :]
+    try:
+        msg = protocol.decode([bytes(frame)], secret=secret)
+    except ProtocolError:
+        return
+    if msg.header.dtype is not None:
+        assert msg.tensor().numel() * msg.tensor().element_size() == msg.header.payload_len
+
+
 def test_reply_header_mirrors_request() -> None:
     req = Header(op=Op.PULL, request_id=9, worker_id=2, session=4, seq=0, priority=3)
     rep = protocol.reply(req, incarnation=77, status=Status.UNKNOWN_KEY)

@@ -19,6 +19,7 @@ Decisions:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
@@ -33,6 +34,7 @@ Tree: TypeAlias = Any
 """A tensor, a NumPy array, or a list/tuple/dict nesting of them."""
 
 ROOT = "<root>"
+_SMALL = 64  # all_finite checks tensors up to this many elements in Python
 
 
 def _child_path(path: str, key: object) -> str:
@@ -46,8 +48,12 @@ def all_finite(t: torch.Tensor) -> bool:
     A NaN or infinite element makes the sum NaN or infinite, so a finite sum
     proves every element finite in one read without a mask (``isfinite().all()``
     is many times slower on CPU). Only a non-finite sum, which finite values can
-    also produce by overflowing, needs the exact elementwise check.
+    also produce by overflowing, needs the exact elementwise check. A tensor of
+    at most ``_SMALL`` elements is checked in Python instead: for a few
+    elements three torch calls cost several times the check itself.
     """
+    if t.numel() <= _SMALL:
+        return all(map(math.isfinite, t.reshape(-1).tolist()))
     if bool(torch.isfinite(t.sum())):
         return True
     return bool(torch.isfinite(t).all())

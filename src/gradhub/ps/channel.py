@@ -269,9 +269,13 @@ class Channel(Exchange):
                 if now >= self._next_check:
                     self._next_check = now + _TICK
                     self._check_timers(now)
-                received = sum(self._receive(i) for i in range(len(self._servers)))
-                if not received and not self._submitted:
-                    return
+                received = 0
+                for i in range(len(self._servers)):
+                    received += self._receive(i)  # each ends on a receive that found nothing
+                if self._submitted:
+                    continue  # submitted meanwhile (by a callback or another thread)
+                if not received or not any(s.queue for s in self._servers):
+                    return  # else replies gave credit back: send what waited for it
         finally:
             self._pump_owner = 0
 

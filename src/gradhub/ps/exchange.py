@@ -41,6 +41,7 @@ from typing import cast
 import zmq
 
 from gradhub.errors import GradhubError, ProtocolError, ServerTimeoutError, ServerUnavailableError
+from gradhub.ps import frames as wire
 from gradhub.ps import protocol, status
 from gradhub.ps.link import MUTATING, Link, Request, closed_error, refused_error
 from gradhub.ps.protocol import Header, Message, Op, Status
@@ -147,10 +148,10 @@ class Exchange:
             aux=int(self.timeout * 1000),  # how long the server may hold it
         )
         frames = protocol.encode(
-            header, req.key, payload, meta=meta, secret=self._secret, arena=locator
+            header, req.key, payload, meta=meta, secret=self._secret, arena=locator, pack=True
         )
         try:
-            s.sock.send_multipart(frames, copy=False)
+            wire.send(s.sock, frames)
         except zmq.ZMQError as exc:
             log.debug("send to %s failed (%s); will retry", s.address, exc)
 
@@ -168,7 +169,7 @@ class Exchange:
             if not cast(int, s.sock.getsockopt(_EVENTS)) & _POLLIN:
                 return n
             try:
-                frames = s.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = wire.receive(s.sock)
             except zmq.Again:
                 return n
             try:

@@ -5,6 +5,14 @@ A message is four ZeroMQ frames, plus a fifth when a shared secret is set::
     [header (HEADER_SIZE bytes)] [key (UTF-8)] [meta (JSON or empty)]
     [payload (raw tensor bytes)] [HMAC-SHA256]
 
+or, *packed* (``FLAG_PACKED``), the same bytes one after the other in a single
+frame: what the sockets send when the payload frame holds at most
+:data:`PACK_MAX` bytes (``encode(..., pack=True)``). Each frame of a message
+costs ZeroMQ and pyzmq a send and a receive on both sides, several times the
+cost of copying a few kilobytes, so small messages travel as one frame; a
+larger payload keeps its own frame, sent without a copy. The meta's length is
+what the header's key and payload lengths (and the MAC) leave of the frame.
+
 ``meta`` is small JSON for what the fixed header cannot hold: the optimizer
 spec of an ``init``, the hyperparameters of a ``push``; empty for most messages.
 
@@ -65,7 +73,11 @@ MAC_SIZE = 32
 FLAG_REPLY = 1
 FLAG_MAC = 2
 FLAG_ARENA = 4  # the payload frame is a locator into a shared arena
-_KNOWN_FLAGS = FLAG_REPLY | FLAG_MAC | FLAG_ARENA
+FLAG_PACKED = 8  # header, key, meta, payload (and MAC) in one frame
+_KNOWN_FLAGS = FLAG_REPLY | FLAG_MAC | FLAG_ARENA | FLAG_PACKED
+
+PACK_MAX = 16 << 10
+"""Largest payload frame a packed message holds (``encode(..., pack=True)``)."""
 
 ARENA_LOCATOR = struct.Struct("<IQQ")
 """The payload frame of an arena message: segment id, byte offset, length."""
@@ -76,6 +88,10 @@ ArenaResolver = Callable[[int, bytes], memoryview]
 
 _HEADER = struct.Struct("<2sBBHHBBBxHIiQQQQQQ" + "Q" * MAX_NDIM)
 HEADER_SIZE = _HEADER.size
+
+
+def _copied(flags: int) -> bool:
+    return bool(flags & FLAG_PACKED) and not flags & FLAG_ARENA
 
 
 class Op(enum.IntEnum):
@@ -187,10 +203,11 @@ class Message:
             raise ProtocolError(f"{h.op.name} message for key {self.key!r} carries no tensor")
         if h.payload_len == 0:
             return torch.empty(h.shape, dtype=h.dtype)
-        buf = memoryview(self.payload)
-        if buf.readonly:  # e.g. bytes; ZeroMQ frames are writable and never copied
-            buf = memoryview(bytearray(buf))
-        return torch.frombuffer(buf, dtype=h.dtype).view(h.shape)
+        if _copied(h.flags) or memoryview(self.payload).readonly:
+            # Small (packed: it may lie at any alignment) or read-only (bytes): copied.
+            # A ZeroMQ frame of its own or an arena's bytes are writable and never copied.
+            return torch.frombuffer(bytearray(self.payload), dtype=h.dtype).view(h.shape)
+        return torch.frombuffer(self.payload, dtype=h.dtype).view(h.shape)
 
     def meta_json(self) -> dict[str, Any]:
         """The meta frame as a JSON object (``{}`` when empty)."""
@@ -239,12 +256,15 @@ def encode(
     meta: bytes = b"",
     secret: bytes | None = None,
     arena: bytes | None = None,
+    pack: bool = False,
 ) -> list[Any]:
     """The frames of one message (header, key, meta, payload[, mac]); fills in
     ``header``'s dtype, shape and payload length from a tensor payload.
 
     ``arena``: the locator of ``payload``, a tensor that lies in a shared arena;
-    the locator travels instead of its bytes, which the signature still covers."""
+    the locator travels instead of its bytes, which the signature still covers.
+    ``pack``: one frame holding them all when the payload frame is at most
+    :data:`PACK_MAX` bytes (the signature is the same: it covers the same bytes)."""
     key_bytes = key.encode("utf-8")
     if len(key_bytes) > MAX_KEY_BYTES:
         raise ValueError(
@@ -264,7 +284,10 @@ def encode(
     signed = data
     if arena is not None:
         data = arena
-    flags = header.flags | (FLAG_MAC if secret else 0) | (FLAG_ARENA if arena is not None else 0)
+    packed = pack and memoryview(data).nbytes <= PACK_MAX
+    flags = header.flags & ~FLAG_PACKED
+    flags |= (FLAG_MAC if secret else 0) | (FLAG_ARENA if arena is not None else 0)
+    flags |= FLAG_PACKED if packed else 0
     header.flags = flags
     shape = list(header.shape) + [0] * (MAX_NDIM - len(header.shape))
     head = _HEADER.pack(
@@ -290,6 +313,8 @@ def encode(
     frames: list[Any] = [head, key_bytes, meta, data]
     if secret:
         frames.append(_mac(secret, frames if arena is None else [*frames, signed]))
+    if packed:
+        return [b"".join(frames)]
     return frames
 
 
@@ -318,9 +343,12 @@ def _decode(
     max_payload: int,
     arena: ArenaResolver | None = None,
 ) -> Message:
-    if len(frames) not in (4, 5):
-        raise ProtocolError(f"expected 4 or 5 frames, got {len(frames)}")
-    views = [memoryview(f).cast("B") for f in frames]
+    if len(frames) not in (1, 4, 5):
+        raise ProtocolError(f"expected 1, 4 or 5 frames, got {len(frames)}")
+    if len(frames) == 1:
+        views = _unpack(memoryview(frames[0]).cast("B"))
+    else:
+        views = [memoryview(f).cast("B") for f in frames]
     head = views[0]
     if head.nbytes != HEADER_SIZE:
         raise ProtocolError(f"header is {head.nbytes} bytes, expected {HEADER_SIZE}")
@@ -335,7 +363,9 @@ def _decode(
     if flags & ~_KNOWN_FLAGS:
         raise ProtocolError(f"unknown flags {flags:#x}")
     signed = bool(flags & FLAG_MAC)
-    if len(frames) != (5 if signed else 4):
+    if len(frames) > 1 and flags & FLAG_PACKED:
+        raise ProtocolError(f"{len(frames)} frames, but the message says it is packed")
+    if len(frames) > 1 and len(frames) != (5 if signed else 4):
         raise ProtocolError(f"{len(frames)} frames do not match the signature flag")
     if views[3].nbytes > max_payload:
         raise OversizedError(
@@ -343,7 +373,7 @@ def _decode(
         )
     if views[2].nbytes > MAX_META_BYTES:
         raise OversizedError(f"meta of {views[2].nbytes} bytes exceeds {MAX_META_BYTES}")
-    payload: Any = frames[3]
+    payload: Any = frames[3] if len(frames) > 1 else views[3]
     signed_parts = views[:4]
     if flags & FLAG_ARENA:
         if arena is None:
@@ -417,14 +447,37 @@ def _decode(
     return Message(header, key, payload, views[2].tobytes())
 
 
+def _unpack(frame: memoryview) -> list[memoryview]:
+    """The views of a packed frame as separate frames: header, key, meta, payload[, mac]
+    (sizes from the header; what does not add up is left for the checks to refuse)."""
+    if frame.nbytes < HEADER_SIZE:
+        raise ProtocolError(f"packed frame of {frame.nbytes} bytes is shorter than a header")
+    fields = _HEADER.unpack(frame[:HEADER_SIZE])
+    flags, key_len, payload_len = fields[3], fields[8], fields[16]
+    if not flags & FLAG_PACKED:
+        raise ProtocolError("one frame, but the message is not packed")
+    data_len = ARENA_LOCATOR.size if flags & FLAG_ARENA else payload_len
+    mac_len = MAC_SIZE if flags & FLAG_MAC else 0
+    meta_len = frame.nbytes - HEADER_SIZE - key_len - data_len - mac_len
+    if meta_len < 0:
+        raise ProtocolError(f"packed frame of {frame.nbytes} bytes is too short for its header")
+    sizes = [HEADER_SIZE, key_len, meta_len, data_len, mac_len]
+    views: list[memoryview] = []
+    start = 0
+    for n in sizes[: 5 if mac_len else 4]:
+        views.append(frame[start : start + n])
+        start += n
+    return views
+
+
 def peek_header(frames: Sequence[Any]) -> Header | None:
     """The op, flags and ids of a message's header, unchecked beyond its format
     (no signature check): enough to answer a hello that fails authentication."""
     try:
         head = memoryview(frames[0]).cast("B")
-        if head.nbytes != HEADER_SIZE:
+        if head.nbytes < HEADER_SIZE:
             return None
-        fields = _HEADER.unpack(head)
+        fields = _HEADER.unpack(head[:HEADER_SIZE])
         if fields[0] != MAGIC or fields[1] != VERSION:
             return None
         return Header(

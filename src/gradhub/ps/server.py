@@ -39,6 +39,7 @@ import zmq
 
 from gradhub.errors import BindError, ProtocolError
 from gradhub.ps import arena, protocol
+from gradhub.ps import frames as wire
 from gradhub.ps.config import ServerConfig, default_optimizer
 from gradhub.ps.link import MUTATING
 from gradhub.ps.protocol import Message, Op, Status
@@ -127,7 +128,7 @@ class Server(Service):
                 if events:
                     if self._arenas is not None:
                         self._arenas.ready(events)
-                    self._drain()
+                    self._drain(ask=self._sock not in events)
                     self._run_queue()
                     self._commit()
                 self._expire_waits()
@@ -181,12 +182,15 @@ class Server(Service):
             self._send(frames)
 
     # ---------------------------------------------------------------- receive
-    def _drain(self) -> None:
+    def _drain(self, *, ask: bool = True) -> None:
+        """Receive and handle what waits on the socket (``ask``: whether to ask
+        before the first receive; not when the poller just said it is readable)."""
         for _ in range(10_000):
-            if not cast(int, self._sock.getsockopt(_EVENTS)) & _POLLIN:
+            if ask and not cast(int, self._sock.getsockopt(_EVENTS)) & _POLLIN:
                 return  # asked first: an empty receive's zmq.Again costs more than the ask
+            ask = True
             try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = wire.receive(self._sock)
             except zmq.Again:
                 return
             self._receive(frames)
@@ -196,7 +200,7 @@ class Server(Service):
         if len(frames) < 2:
             self.counters["dropped_malformed"] += 1
             return
-        routing = frames[0].bytes
+        routing = frames[0]
         try:
             msg = protocol.decode(
                 frames[1:],
@@ -255,7 +259,13 @@ class Server(Service):
         frames = [
             *msg.routing,
             *protocol.encode(
-                header, msg.key, payload, meta=meta, secret=self.config.secret, arena=locator
+                header,
+                msg.key,
+                payload,
+                meta=meta,
+                secret=self.config.secret,
+                arena=locator,
+                pack=True,
             ),
         ]
         if self.persist.durable and status == Status.OK and header.op in MUTATING:
@@ -286,7 +296,7 @@ class Server(Service):
 
     def _send(self, frames: list[Any]) -> None:
         try:
-            self._sock.send_multipart(frames, copy=False)
+            wire.send(self._sock, frames)
         except zmq.ZMQError as exc:  # the peer went away; its retry will find us
             log.debug("reply lost: %s", exc)
             return

@@ -332,6 +332,8 @@ class Service:
 
     def _expire_waits(self) -> None:
         """Answer the held requests whose time is up, naming whom or what they wait for."""
+        if not self._rounds and not self._inits:
+            return
         now = time.monotonic()
         for key, msg in self._rounds.expired(now):
             self.counters["wait_timeouts"] += 1

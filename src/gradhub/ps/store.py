@@ -245,6 +245,16 @@ class ParameterStore:
         if hyperparameters:
             self.set_hyperparameters(key, hyperparameters)
         optimizer = self._optimizers.get(key)
+        if (
+            optimizer is not None
+            and not (value.requires_grad or grad.requires_grad)
+            and _plain_sgd(optimizer, value)
+        ):
+            # No autograd involved (neither requires grad), so no no_grad() needed.
+            lr = optimizer.param_groups[0]["lr"]
+            value.add_(grad if grad.dtype == value.dtype else grad.to(value.dtype), alpha=-lr)
+            self._steps[key] += 1
+            return
         with torch.no_grad():
             if optimizer is None:
                 value.copy_(grad)
