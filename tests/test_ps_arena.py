@@ -18,6 +18,7 @@ import torch
 
 from gradhub import (
     AuthenticationError,
+    NonFiniteError,
     ProtocolError,
     RemoteParameterServer,
     ServerConfig,
@@ -54,6 +55,10 @@ def _run(address: str, *, use_arena: bool, worker_id: int) -> dict[str, torch.Te
             ]
             for f in futures:
                 f.result(20)
+        bad = torch.zeros(shapes["c"])
+        bad[-1, -1] = float("nan")  # in the last chunk the client copies and checks
+        with pytest.raises(NonFiniteError):
+            ps.push("c", bad)  # refused before anything is sent, its segment given back
         out = {k: torch.empty(s) for k, s in shapes.items()}
         for f in [ps.pull(k, t) for k, t in out.items()]:
             f.result(20)

@@ -7,8 +7,10 @@ from hypothesis import strategies as st
 from gradhub import ShapeMismatchError
 from gradhub.trees import (
     TreeSpec,
+    all_finite,
     as_tree,
     clone_tree,
+    copy_finite,
     flatten,
     leaves,
     map_tree,
@@ -131,3 +133,31 @@ def test_flatten_unflatten_property(shapes: list[list[int]]) -> None:
     assert flat.numel() == sum(t.numel() for t in tree)
     for a, b in zip(spec.unflatten(flat), tree, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("numel", [1, 64, 65, (128 << 10) + 3, 3 * (128 << 10)])
+def test_copy_finite_copies_exactly_and_finds_every_nonfinite(
+    dtype: torch.dtype, numel: int
+) -> None:
+    src = torch.randn(numel).to(dtype)
+    dst = torch.empty_like(src)
+    assert copy_finite(dst, src) and torch.equal(dst, src) and all_finite(src)
+    # the largest finite values: every chunk's sum overflows, yet all are finite
+    big = torch.full((numel,), torch.finfo(dtype).max, dtype=dtype)
+    assert copy_finite(torch.empty_like(big), big) and all_finite(big)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for at in {0, numel // 2, numel - 1}:  # first, middle and last chunk
+            u = src.clone()
+            u[at] = bad
+            out = torch.empty_like(u)
+            assert not copy_finite(out, u) and not all_finite(u)
+            assert torch.equal(out.isnan(), u.isnan()) and torch.equal(
+                out.nan_to_num(), u.nan_to_num()
+            )
+
+
+def test_copy_finite_integers_and_shapes() -> None:
+    src = torch.arange(12).reshape(3, 4)
+    dst = torch.empty_like(src)
+    assert copy_finite(dst, src) and torch.equal(dst, src)

@@ -35,6 +35,7 @@ Tree: TypeAlias = Any
 
 ROOT = "<root>"
 _SMALL = 64  # all_finite checks tensors up to this many elements in Python
+_CHUNK = 128 << 10  # elements copy_finite copies and checks at a time (<= 1 MiB of fp64)
 
 
 def _child_path(path: str, key: object) -> str:
@@ -57,6 +58,29 @@ def all_finite(t: torch.Tensor) -> bool:
     if bool(torch.isfinite(t.sum())):
         return True
     return bool(torch.isfinite(t).all())
+
+
+def copy_finite(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Copy ``src`` into ``dst`` (contiguous, same shape and dtype) and tell whether
+    it holds no NaN or infinity (as :func:`all_finite`), reading ``src`` once.
+
+    The copy goes in chunks of ``_CHUNK`` elements that stay in the core's
+    cache, where the check reads them; a copy followed by :func:`all_finite`
+    would read the whole tensor from memory a second time.
+    """
+    n = src.numel()
+    if n <= _CHUNK or not src.is_floating_point():
+        dst.copy_(src)
+        return not src.is_floating_point() or all_finite(dst)
+    to, of = dst.view(-1), src.view(-1)
+    sums = []
+    for start in range(0, n, _CHUNK):
+        part = to[start : start + _CHUNK]
+        part.copy_(of[start : start + _CHUNK])
+        sums.append(part.sum())
+    if bool(torch.isfinite(torch.stack(sums).sum())):
+        return True
+    return bool(torch.isfinite(dst).all())  # a NaN, an infinity, or an overflowing sum
 
 
 def as_tree(tree: Tree, *, path: str = ROOT) -> Tree:

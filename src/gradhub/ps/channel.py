@@ -177,6 +177,34 @@ class Channel(Exchange):
             self._wake()
         return future
 
+    def stage(self, req: Request) -> bool | None:
+        """Copy a push's payload into the shared arena of its server now, checking on
+        the way whether it is finite (:meth:`ClientArena.stage`); ``None`` when it
+        does not go through an arena (then nothing was done)."""
+        payload = req.payload
+        if payload is None or payload.device.type != "cpu" or not payload.is_contiguous():
+            return None
+        nbytes = payload.numel() * payload.element_size()
+        with self._io:
+            s = self._servers[req.server]
+            arena = s.arena
+            if arena is None or nbytes < arena.min_bytes or s.failure is not None:
+                return None
+            req.nbytes = nbytes
+            try:
+                return arena.stage(req)
+            except OSError:  # no segment: the request takes the usual path, which reports it
+                req.slot = None
+                return None
+
+    def unstage(self, req: Request) -> None:
+        """Give back the segment :meth:`stage` took for a request that is not sent."""
+        with self._io:
+            s = self._servers[req.server]
+            if req.slot is not None and s.arena is not None:
+                s.arena.give_back(req.slot, reuse=True)
+            req.slot = None
+
     def wait(self, future: Future[None], timeout: float | None) -> None:
         """Drive the sockets from this thread until ``future`` is done or ``timeout``
         seconds passed: a reply wakes this thread itself, no other thread in between."""

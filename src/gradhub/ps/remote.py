@@ -202,37 +202,58 @@ class RemoteParameterServer(ParameterServer):
         owned = len(reps) > 1
         if owned:
             total = torch.stack([r.to("cpu") for r in reps]).sum(0)
-        if total.is_floating_point() and not all_finite(total):
-            if self.nonfinite == "error":
-                raise NonFiniteError(
-                    f"push of {key!r} holds NaN or infinity; nothing was sent\n- help: "
-                    "RemoteParameterServer(..., nonfinite='skip') drops such pushes"
-                )
-            self.skipped += 1
-            log.warning("push of %r holds NaN or infinity: dropped (nonfinite='skip')", key)
-            done: Future[None] = Future()
-            done.set_result(None)
-            return done
-        codec = self.codec.name if total.is_floating_point() else "none"
-        futures = []
+        floating = total.is_floating_point()
+        codec = self.codec.name if floating else "none"
+        if codec != "none" and not all_finite(total):
+            return self._refuse(key)
+        requests = []
         for piece, part in split(key, total, len(self.addresses), self.slice_bytes):
             part_owned = owned
             if codec != "none":
                 part, part_owned = self.codec.encode(part), True
-            futures.append(
-                self._submit(
+            requests.append(
+                Request(
                     Op.PUSH,
-                    key,
-                    piece.key,
                     piece.server,
-                    priority,
+                    key=piece.key,
+                    user_key=key,
+                    priority=int(priority),
                     payload=part,
                     owned=part_owned,
                     codec=codec,
                     meta=meta,
                 )
             )
-        return _all_of(self._channel, futures)
+        if floating and codec == "none" and not self._stage_finite(requests):
+            return self._refuse(key)
+        return _all_of(self._channel, [self._channel.submit(r) for r in requests])
+
+    def _stage_finite(self, requests: list[Request]) -> bool:
+        """Whether the payloads of ``requests`` hold no NaN or infinity. A payload that
+        goes through a shared arena is copied there now and checked on the way (one
+        read of it, not two); a refused push gives its segments back."""
+        finite = True
+        for req in requests:
+            staged = self._channel.stage(req)
+            assert req.payload is not None
+            finite = finite and (all_finite(req.payload) if staged is None else staged)
+        if not finite:
+            for req in requests:
+                self._channel.unstage(req)
+        return finite
+
+    def _refuse(self, key: str) -> Future[None]:
+        """A push holding NaN or infinity: ``NonFiniteError``, or dropped (``"skip"``)."""
+        if self.nonfinite == "error":
+            raise NonFiniteError(
+                f"push of {key!r} holds NaN or infinity; nothing was sent\n- help: "
+                "RemoteParameterServer(..., nonfinite='skip') drops such pushes"
+            )
+        self.skipped += 1
+        log.warning("push of %r holds NaN or infinity: dropped (nonfinite='skip')", key)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
 
     def pull(self, key: str, weights: Replicas, *, priority: int = 0) -> Future[None]:
         """Copy the value of ``key`` into every tensor of ``weights``."""

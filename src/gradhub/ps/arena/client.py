@@ -21,6 +21,7 @@ from gradhub.errors import ProtocolError, WorkerFailedError
 from gradhub.ps.arena.wire import BYE, CREDS, FORGET, ID, NEW, REGISTER, SEGMENT, registration_mac
 from gradhub.ps.link import MUTATING, Request
 from gradhub.ps.protocol import ARENA_LOCATOR, Message, Op
+from gradhub.trees import copy_finite
 
 __all__ = ["DEFAULT_CACHE_BYTES", "DEFAULT_MIN_BYTES", "ClientArena", "Slot"]
 
@@ -191,6 +192,14 @@ class ClientArena:
             where = {"arena": [req.slot.id, 0, req.reply_bytes]}
             return None, json.dumps(where).encode(), None
         return req.payload, req.meta, None
+
+    def stage(self, req: Request) -> bool:
+        """Copy a push's payload into a segment now (:meth:`carry` then sends it from
+        there) and tell whether it holds no NaN or infinity, read once for both
+        (:func:`gradhub.trees.copy_finite`)."""
+        assert req.payload is not None
+        req.slot = self.take(req.nbytes)
+        return copy_finite(req.slot.tensor(req.payload), req.payload)
 
     def release(self, req: Request) -> None:
         """Take back ``req``'s segment once the server is done with it."""
