@@ -4,6 +4,7 @@ skipped steps are agreed across the ranks that share them."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -15,6 +16,7 @@ from torch import nn
 
 import gradhub
 from gradhub.ps.config import ServerConfig
+from gradhub.ps.consistency import Consistency
 from gradhub.ps.launch import start_server
 from gradhub.train.strategies import make_strategy
 from harness import run_ranks
@@ -326,3 +328,59 @@ def test_misuse_gives_clear_errors() -> None:
                 ValueError, match=r"(?s)unknown grad_scaler option.*valid options are init_scale"
             ):
                 trainer.fit((x, y), precision="fp16", grad_scaler={"scale": 8.0})
+
+
+def test_fit_fp16_checkpoints_and_resumes_the_scale(tmp_path: Path) -> None:
+    x, y = data()  # 32 samples, batches of 8: 4 steps per epoch
+    scales: list[float] = []
+    model = mlp()
+    with gradhub.init(timeout=10) as runtime:
+        trainer = gradhub.DataParallelTrainer(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), runtime=runtime
+        )
+        settings: dict[str, Any] = {
+            "batch_size": 8,
+            "shuffle": False,
+            "precision": "fp16",
+            "grad_scaler": dict(REF_OPTIONS),
+            "checkpoint_dir": tmp_path,
+            "progress": False,
+            "on_step": lambda step, record: scales.append(record["loss_scale"]),
+        }
+        with trainer:
+            trainer.fit((x, y), epochs=1, **settings)
+            first = list(scales)
+            scales.clear()
+            trainer.fit((x, y), epochs=2, resume=True, **settings)
+    assert first == [2.0**40, 2.0**30, 2.0**20, 2.0**10]  # three skipped steps
+    assert scales == [2.0**10] * 4  # the scale came back from the checkpoint
+
+
+def test_skip_pushes_move_the_clock_and_apply_nothing() -> None:
+    g = torch.ones(3)
+    ssp = Consistency("ssp", workers=2, max_staleness=0)
+    sync = Consistency("sync", workers=2)
+    for c in (ssp, sync):
+        for worker in (0, 1):
+            c.seen(worker, pushing=True, now=0.0)  # as the server does before a push
+    assert ssp.push(0, "w", g) == [g]
+    assert ssp.push(1, "w", g, skip=True) == []  # nothing to apply...
+    assert ssp.steps["w"] == {0: 1, 1: 1}  # ...but worker 1 is at step 1
+    assert ssp.pull_ready(0, "w")
+    assert sync.push(0, "w", g) == []
+    (total,) = sync.push(1, "w", torch.full((3,), 5.0), skip=True)  # joins as zeros
+    assert torch.equal(total, g)
+
+
+def test_grad_scaler_state_dict_is_torchs() -> None:
+    base = mlp()
+    with gradhub.init(timeout=10) as runtime:
+        _, opt = gradhub.prepare(base, torch.optim.SGD(base.parameters(), lr=0.1), runtime=runtime)
+        with opt:
+            ours = gradhub.GradScaler(opt, init_scale=8.0, growth_interval=7)
+            theirs = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=7)
+            assert ours.state_dict() == theirs.state_dict()
+            theirs.load_state_dict({**ours.state_dict(), "scale": 4.0})
+            ours.load_state_dict(theirs.state_dict())
+            assert ours.get_scale() == 4.0
+            assert gradhub.GradScaler(opt, enabled=False).get_scale() == 1.0
