@@ -58,6 +58,21 @@ class Pending(Future[None]):
     def __init__(self, channel: Channel) -> None:
         super().__init__()
         self._channel = channel
+        self.finished = False
+        """Set once done (result, exception or cancelled): read without the future's lock."""
+
+    def set_result(self, result: None) -> None:
+        super().set_result(result)
+        self.finished = True
+
+    def set_exception(self, exception: BaseException | None) -> None:
+        super().set_exception(exception)
+        self.finished = True
+
+    def cancel(self) -> bool:
+        cancelled = super().cancel()
+        self.finished = self.finished or cancelled
+        return cancelled
 
     def result(self, timeout: float | None = None) -> None:
         return super().result(self._drive(timeout))
@@ -67,7 +82,7 @@ class Pending(Future[None]):
 
     def _drive(self, timeout: float | None) -> float | None:
         """Drive until done or ``timeout``; the time left of ``timeout``."""
-        if self.done():
+        if self.finished or self.done():
             return timeout
         start = time.monotonic()
         self._channel.wait(self, timeout)
@@ -205,10 +220,10 @@ class Channel(Exchange):
                 s.arena.give_back(req.slot, reuse=True)
             req.slot = None
 
-    def wait(self, future: Future[None], timeout: float | None) -> None:
+    def wait(self, future: Pending, timeout: float | None) -> None:
         """Drive the sockets from this thread until ``future`` is done or ``timeout``
         seconds passed: a reply wakes this thread itself, no other thread in between."""
-        if future.done() or self._pump_owner == threading.get_ident():
+        if future.finished or self._pump_owner == threading.get_ident():
             return  # a callback of a reply being handled: its future cannot progress here
         deadline = math.inf if timeout is None else time.monotonic() + timeout
         poll = select.poll()
@@ -220,7 +235,7 @@ class Channel(Exchange):
         try:
             # Every pump ends by asking the sockets for messages (the zmq.FD contract),
             # so this thread may sleep on their descriptors right away.
-            while not future.done() and not self._stopping:
+            while not future.finished and not self._stopping:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return
@@ -289,9 +304,11 @@ class Channel(Exchange):
             while True:
                 with self._lock:
                     new, self._submitted = self._submitted, []
-                for req in new:
-                    self._servers[req.server].queue.push(req.key, req, req.priority)
                 now = time.monotonic()
+                for req in new:
+                    s = self._servers[req.server]
+                    if len(new) > 1 or not self._send_now(s, req, now):
+                        s.queue.push(req.key, req, req.priority)
                 for i, s in enumerate(self._servers):
                     self._send_ready(i, s, now)
                 if now >= self._next_check:

@@ -122,6 +122,20 @@ class Exchange:
             req.next_retry = now + self.retry_interval
             self._send(s, req)
 
+    def _send_now(self, s: Link, req: Request, now: float) -> bool:
+        """Send ``req`` at once if nothing waits before it on ``s`` (no lane to pass
+        through) and its credit allows; whether it was sent."""
+        if s.queue or s.failure is not None or s.incarnation == 0:
+            return False
+        if req.op in MUTATING:
+            if s.inflight_bytes and s.inflight_bytes + req.nbytes > self.max_inflight_bytes:
+                return False
+            s.inflight_bytes += req.nbytes
+        s.inflight[req.request_id] = req
+        req.next_retry = now + self.retry_interval
+        self._send(s, req)
+        return True
+
     def _send_hello(self, i: int, s: Link, now: float) -> None:
         retry = min(self.retry_interval, self.heartbeat_interval)
         s.hello = Request(Op.HELLO, i, request_id=next(self._ids), next_retry=now + retry)

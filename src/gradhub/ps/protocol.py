@@ -124,6 +124,9 @@ class Status(enum.IntEnum):
     TIMEOUT = 12  # a wait on the server (round, key not initialised yet) ran out
 
 
+_OPS = {int(o): o for o in Op}  # a dict lookup costs a fraction of Op(code)
+_STATUSES = {int(s): s for s in Status}
+
 _DTYPES: dict[int, torch.dtype] = {
     1: torch.float32,
     2: torch.float64,
@@ -395,11 +398,9 @@ def _decode(
             raise AuthenticationError("message signature does not match the shared secret")
     elif signed:
         raise AuthenticationError("signed message, but this endpoint has no shared secret")
-    try:
-        op_ = Op(op)
-        status_ = Status(status)
-    except ValueError:
-        raise UnknownOpError(f"unknown op {op} or status {status}") from None
+    op_, status_ = _OPS.get(op), _STATUSES.get(status)
+    if op_ is None or status_ is None:
+        raise UnknownOpError(f"unknown op {op} or status {status}")
     if ccode >= len(CODECS):
         raise UnknownOpError(f"unknown codec code {ccode}")
     if key_len > MAX_KEY_BYTES or views[1].nbytes != key_len:

@@ -234,9 +234,11 @@ class RemoteParameterServer(ParameterServer):
         read of it, not two); a refused push gives its segments back."""
         finite = True
         for req in requests:
-            staged = self._channel.stage(req)
-            assert req.payload is not None
-            finite = finite and (all_finite(req.payload) if staged is None else staged)
+            payload = req.payload
+            assert payload is not None
+            small = payload.numel() * payload.element_size() < self._channel.arena_min_bytes
+            staged = None if small else self._channel.stage(req)
+            finite = finite and (all_finite(payload) if staged is None else staged)
         if not finite:
             for req in requests:
                 self._channel.unstage(req)

@@ -170,6 +170,8 @@ class Server(Service):
     # ------------------------------------------------------------- persistence
     def _commit(self) -> None:
         """Answer flushes and held acknowledgements once what they cover is on disk."""
+        if not self._flushes and not self._held and not self.persist.durable:
+            return
         if self._flushes and not self.persist.durable:
             self.checkpoint()
         if self.persist.commit():

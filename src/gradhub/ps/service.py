@@ -324,6 +324,8 @@ class Service:
         self._reply(msg, payload=snap)
 
     def _wake(self, key: str) -> None:
+        if not self._rounds:
+            return
         ready = self._rounds.release(
             key, lambda m: self.consistency.pull_ready(m.header.worker_id, key)
         )
