@@ -346,6 +346,9 @@ def test_fit_fp16_checkpoints_and_resumes_the_scale(tmp_path: Path) -> None:
             "checkpoint_dir": tmp_path,
             "progress": False,
             "on_step": lambda step, record: scales.append(record["loss_scale"]),
+            # Stepped after the first, skipped step: torch would warn that the
+            # scheduler stepped before the optimizer (an error under -W error).
+            "lr_scheduler": lambda opt: torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5),
         }
         with trainer:
             trainer.fit((x, y), epochs=1, **settings)
@@ -354,6 +357,7 @@ def test_fit_fp16_checkpoints_and_resumes_the_scale(tmp_path: Path) -> None:
             trainer.fit((x, y), epochs=2, resume=True, **settings)
     assert first == [2.0**40, 2.0**30, 2.0**20, 2.0**10]  # three skipped steps
     assert scales == [2.0**10] * 4  # the scale came back from the checkpoint
+    assert trainer.optimizer.param_groups[0]["lr"] == 0.1 * 0.5**4  # 8 steps, skipped ones too
 
 
 def test_skip_pushes_move_the_clock_and_apply_nothing() -> None:

@@ -349,7 +349,17 @@ class Strategy(abc.ABC):
 
     def load_optimizer_state_dict(self, state: dict[str, Any]) -> None:
         assert self.optimizer is not None
-        self.optimizer.load_state_dict(state)
+        # torch's load_state_dict replaces the group list and dicts and the state:
+        # the prepared optimizer and an LR scheduler made before the load would
+        # keep the old ones. Keep the same objects, with the loaded values.
+        opt = self.optimizer
+        groups, per_param = opt.param_groups, opt.state
+        opt.load_state_dict(state)
+        for old, new in zip(groups, opt.param_groups, strict=True):
+            old.update(new)
+        per_param.clear()
+        per_param.update(opt.state)
+        opt.param_groups, opt.state = groups, per_param
 
     def model_loaded(self) -> None:
         """The local parameters were overwritten (a state dict was loaded) on every rank."""
