@@ -89,8 +89,10 @@ def _child(
 # rank is forked from it, already holding them (several seconds of CPU per
 # rank otherwise). The server imports only: no thread pool has run in it, so
 # forking it is safe; each rank still gets a fresh interpreter state for the
-# rest, like a spawned process.
-_PRELOAD = ["torch", "torch.distributed", "numpy", "gradhub", "gradhub.train"]
+# rest, like a spawned process. ``torch._dynamo`` is what the first torch
+# optimizer built in a process imports (about 2 s of CPU per rank); it starts
+# no thread either.
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "numpy", "gradhub", "gradhub.train"]
 
 
 def _context() -> Any:
