@@ -4,7 +4,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gradhub import ShapeMismatchError
+from gradhub import ShapeMismatchError, trees
 from gradhub.trees import (
     TreeSpec,
     all_finite,
@@ -135,11 +135,14 @@ def test_flatten_unflatten_property(shapes: list[list[int]]) -> None:
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("numel", [1, 64, 65, (128 << 10) + 3, 3 * (128 << 10)])
 def test_copy_finite_copies_exactly_and_finds_every_nonfinite(
-    dtype: torch.dtype, numel: int
+    dtype: torch.dtype, numel: int, fused: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # fused: in chunks whatever the size (else only tensors of 32 MiB or more are)
+    monkeypatch.setattr(trees, "_FUSED_MIN_BYTES", 0 if fused else 1 << 62)
     src = torch.randn(numel).to(dtype)
     dst = torch.empty_like(src)
     assert copy_finite(dst, src) and torch.equal(dst, src) and all_finite(src)

@@ -36,6 +36,7 @@ Tree: TypeAlias = Any
 ROOT = "<root>"
 _SMALL = 64  # all_finite checks tensors up to this many elements in Python
 _CHUNK = 128 << 10  # elements copy_finite copies and checks at a time (<= 1 MiB of fp64)
+_FUSED_MIN_BYTES = 32 << 20  # copy_finite copies and checks in chunks from this size on
 
 
 def _child_path(path: str, key: object) -> str:
@@ -62,14 +63,17 @@ def all_finite(t: torch.Tensor) -> bool:
 
 def copy_finite(dst: torch.Tensor, src: torch.Tensor) -> bool:
     """Copy ``src`` into ``dst`` (contiguous, same shape and dtype) and tell whether
-    it holds no NaN or infinity (as :func:`all_finite`), reading ``src`` once.
+    it holds no NaN or infinity (as :func:`all_finite`).
 
-    The copy goes in chunks of ``_CHUNK`` elements that stay in the core's
-    cache, where the check reads them; a copy followed by :func:`all_finite`
-    would read the whole tensor from memory a second time.
+    A tensor of ``_FUSED_MIN_BYTES`` or more is copied in chunks of ``_CHUNK``
+    elements that stay in the core's cache, where the check reads them: a copy
+    followed by :func:`all_finite` would read it from memory a second time.
+    A smaller one is copied whole and then checked: its copy is still in the
+    last-level cache, and one copy beats many (measured on a 32 MiB L3: the
+    chunks are 13% slower at 16 MB, even at 24 MB, 10% faster at 40 and 100 MB).
     """
     n = src.numel()
-    if n <= _CHUNK or not src.is_floating_point():
+    if n * src.element_size() < _FUSED_MIN_BYTES or not src.is_floating_point():
         dst.copy_(src)
         return not src.is_floating_point() or all_finite(dst)
     to, of = dst.view(-1), src.view(-1)

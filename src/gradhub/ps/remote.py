@@ -230,8 +230,8 @@ class RemoteParameterServer(ParameterServer):
 
     def _stage_finite(self, requests: list[Request]) -> bool:
         """Whether the payloads of ``requests`` hold no NaN or infinity. A payload that
-        goes through a shared arena is copied there now and checked on the way (one
-        read of it, not two); a refused push gives its segments back."""
+        goes through a shared arena is copied there now and checked on the way
+        (:func:`gradhub.trees.copy_finite`); a refused push gives its segments back."""
         finite = True
         for req in requests:
             payload = req.payload

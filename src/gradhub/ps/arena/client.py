@@ -195,8 +195,8 @@ class ClientArena:
 
     def stage(self, req: Request) -> bool:
         """Copy a push's payload into a segment now (:meth:`carry` then sends it from
-        there) and tell whether it holds no NaN or infinity, read once for both
-        (:func:`gradhub.trees.copy_finite`)."""
+        there) and tell whether it holds no NaN or infinity
+        (:func:`gradhub.trees.copy_finite`: a large one is read once for both)."""
         assert req.payload is not None
         req.slot = self.take(req.nbytes)
         return copy_finite(req.slot.tensor(req.payload), req.payload)
