@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import struct
 
 import pytest
@@ -15,6 +16,7 @@ from gradhub.ps.config import ServerConfig, is_loopback
 from gradhub.ps.consistency import Consistency
 from gradhub.ps.dedupe import Ledger
 from gradhub.ps.protocol import Header, Op, Status
+from gradhub.ps.rejects import LOG_EVERY, REFUSALS_PER_SECOND, Rejects
 
 SECRET = b"s3cret"
 
@@ -254,3 +256,72 @@ def test_config_validation() -> None:
         ServerConfig(mode="sync", max_staleness=2)
     with pytest.raises(ValueError, match="threads"):
         ServerConfig(threads=0)
+
+
+class _Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _bad_hello(request_id: int = 7) -> list[bytes]:
+    frames = protocol.encode(Header(op=Op.HELLO, request_id=request_id, worker_id=1), secret=b"x")
+    return [b"peer-identity", *(bytes(memoryview(f)) for f in frames)]
+
+
+def _refusals(rejects: Rejects, hellos: int) -> int:
+    bad = AuthenticationError("bad signature")
+    return sum(rejects.reject(_bad_hello(), bad) is not None for _ in range(hellos))
+
+
+def test_refusals_are_rate_limited_and_every_rejected_hello_counted() -> None:
+    clock = _Clock()
+    counters: dict[str, int] = {}
+    rejects = Rejects(counters, clock=clock)
+    burst = int(REFUSALS_PER_SECOND)
+    assert _refusals(rejects, 5 * burst) == burst  # a burst: one second's worth answered
+    assert _refusals(rejects, 5) == 0  # no time passed: none
+    clock.now += 0.5
+    assert _refusals(rejects, 5 * burst) == burst // 2  # refilled at the rate
+    clock.now += 3600
+    assert _refusals(rejects, 5 * burst) == burst  # the bucket holds at most one second's
+    assert counters["refused"] == 2 * burst + burst // 2
+    assert counters["dropped_unauthenticated"] == 15 * burst + 5
+    clock.now += 1
+    refusal = rejects.reject(_bad_hello(request_id=42), AuthenticationError("x"))
+    assert refusal is not None and refusal[0] == b"peer-identity"
+    assert protocol.refusal_request_id(refusal[1:]) == 42  # the client matches it to its hello
+
+
+def test_only_hellos_that_fail_authentication_are_answered() -> None:
+    rejects = Rejects({}, clock=_Clock())
+    push = [b"id", *_frames(torch.ones(2), SECRET)]
+    assert rejects.reject(push, AuthenticationError("bad signature")) is None
+    assert rejects.reject(_bad_hello(), ProtocolError("malformed")) is None
+    assert rejects.reject(_bad_hello(), OversizedError("big")) is None
+    assert rejects.counters["dropped_unauthenticated"] == 1
+    assert rejects.counters["dropped_malformed"] == rejects.counters["dropped_oversized"] == 1
+    assert rejects.counters["refused"] == 0
+
+
+def test_rejected_peers_are_logged_at_most_once_per_interval(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = _Clock()
+    rejects = Rejects({}, clock=clock)
+    with caplog.at_level(logging.WARNING, logger="gradhub.ps.rejects"):
+        _refusals(rejects, 100)
+        assert len(caplog.records) == 1  # the first at once, then none
+        clock.now += LOG_EVERY / 2
+        _refusals(rejects, 100)
+        assert len(caplog.records) == 1
+        clock.now += LOG_EVERY / 2
+        _refusals(rejects, 1)
+    assert len(caplog.records) == 2
+    first, second = (r.getMessage() for r in caplog.records)
+    assert "refused unauthenticated hello(s) from an unknown peer (1x)" in first
+    assert "an unknown peer (200x)" in second  # every one since the first, this one too

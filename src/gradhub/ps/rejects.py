@@ -13,7 +13,9 @@ once every :data:`LOG_EVERY` seconds, with how many refusals that covers.
 from __future__ import annotations
 
 import logging
+import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 from gradhub.errors import AuthenticationError, OversizedError, ProtocolError, UnknownOpError
@@ -36,13 +38,16 @@ def _peer(frames: list[Any]) -> str:
 class Rejects:
     """Counts of dropped messages and the rate-limited refusals of unauthenticated hellos."""
 
-    def __init__(self, counters: dict[str, int]) -> None:
+    def __init__(
+        self, counters: dict[str, int], clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.counters = counters
         for kind in ("malformed", "unauthenticated", "oversized", "unknown_op", "refused"):
             counters.setdefault(f"dropped_{kind}" if kind != "refused" else "refused", 0)
+        self._clock = clock
         self._tokens = REFUSALS_PER_SECOND
-        self._last_fill = time.monotonic()
-        self._last_log = 0.0
+        self._last_fill = clock()
+        self._last_log = -math.inf  # the first refused peer is logged at once
         self._unlogged: dict[str, int] = {}
 
     def reject(self, frames: list[Any], exc: ProtocolError) -> list[Any] | None:
@@ -64,7 +69,7 @@ class Rejects:
             return None
         peer = _peer(frames)
         self._unlogged[peer] = self._unlogged.get(peer, 0) + 1
-        now = time.monotonic()
+        now = self._clock()
         if now - self._last_log >= LOG_EVERY:
             self._last_log = now
             peers = ", ".join(f"{p} ({n}x)" for p, n in sorted(self._unlogged.items()))
