@@ -1,7 +1,8 @@
-"""gradhub.runtime in one process: defaults, adopted groups, set-up errors."""
+"""gradhub.runtime in one process: defaults, adopted groups, set-up errors, a lost store."""
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -10,7 +11,14 @@ import pytest
 import torch.distributed as dist
 
 import gradhub
-from gradhub.errors import GradhubError, GradhubTimeoutError, LaunchEnvironmentError
+from gradhub.collective import CollectiveGroup
+from gradhub.errors import (
+    GradhubError,
+    GradhubTimeoutError,
+    LaunchEnvironmentError,
+    StateError,
+    WorkerFailedError,
+)
 from gradhub.runtime import DEFAULT_TIMEOUT, free_loopback_port, local_group
 
 LAUNCH = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -68,3 +76,27 @@ def test_a_peer_that_never_comes_is_a_rendezvous_timeout() -> None:
     assert "- help:" in str(info.value)
     assert isinstance(info.value.__cause__, RuntimeError)  # c10d's, kept as the cause
     assert not dist.is_initialized()
+
+
+def test_a_check_in_to_a_store_whose_host_is_gone_names_the_store() -> None:
+    port = free_loopback_port()
+    kw = {"wait_for_workers": False, "timeout": timedelta(seconds=5)}
+    host = dist.TCPStore("127.0.0.1", port, None, is_master=True, **kw)  # type: ignore[arg-type]
+    client = dist.TCPStore("127.0.0.1", port, None, is_master=False, **kw)  # type: ignore[arg-type]
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    assert dist.group.WORLD is not None
+    group = CollectiveGroup(dist.group.WORLD, store=client, timeout=5.0)
+    try:
+        group.begin("first")  # checks in
+        del host  # its server goes with it: the host process died
+        gc.collect()
+        with pytest.raises(
+            WorkerFailedError, match=f"cannot check in to .*127.0.0.1:{port}"
+        ) as info:
+            for _ in range(3):  # a send may still be taken before the reset is seen
+                group.begin("put_gradients")
+        assert isinstance(info.value.__cause__, RuntimeError)  # c10d's, kept as the cause
+        with pytest.raises(StateError, match="unreachable"):  # out of step now: broken
+            group.begin("next")
+    finally:
+        group.close()

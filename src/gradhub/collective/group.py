@@ -37,7 +37,10 @@ Decisions:
     that never entered the operation, not the peer that left;
   - any other lost connection is a roll call: every surviving rank answers
     in the store, and the ranks that do not answer within a few seconds are
-    named in :class:`~gradhub.errors.WorkerFailedError` (they died or hang).
+    named in :class:`~gradhub.errors.WorkerFailedError` (they died or hang);
+  - a check-in the store cannot take (its host died or left) is a
+    :class:`~gradhub.errors.WorkerFailedError` naming the store's address,
+    raised before the operation starts.
 - **A failure breaks the group.** Messages of the failed operation may still
   be in flight, so later operations on the group raise
   :class:`~gradhub.errors.StateError`; destroy and re-create it.
@@ -100,6 +103,15 @@ def default_store() -> dist.Store | None:
     except (RuntimeError, ValueError):
         return None
     return store
+
+
+def store_name(store: dist.Store | None) -> str:
+    """``the c10d store at HOST:PORT`` (or its kind, when it has no address)."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    if isinstance(store, dist.TCPStore):
+        return f"the c10d store at {store.host}:{store.port}"
+    return f"the c10d store ({type(store).__name__})"
 
 
 def _is_timeout(exc: BaseException) -> bool:
@@ -372,8 +384,21 @@ class CollectiveGroup:
             _log.debug("[rank %d] cannot write %s: %s", self.rank, what, exc)
 
     def _check_in(self, sequence: int) -> None:
-        if self.store is not None:
+        if self.store is None:
+            return
+        try:
             self.store.set(f"checkin/{self.rank}", str(sequence))
+        except RuntimeError as exc:  # c10d's DistNetworkError: the store's host is gone
+            self._broken = f"{store_name(self._base_store)} is unreachable"
+            cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise self._log(
+                WorkerFailedError(
+                    f"[rank {self.rank}] cannot check in to {store_name(self._base_store)} "
+                    f"({cause}): the process that hosts it (rank 0 of a launched job) "
+                    "died or left\n- help: check that process's log; restart the job "
+                    "(it resumes from the last checkpoint)"
+                )
+            ) from exc
 
     def submit(self, name: str, fn: Callable[[], T]) -> CollectiveFuture[T]:
         """Run ``fn`` on the group's worker thread, after every operation submitted
