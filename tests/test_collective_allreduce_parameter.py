@@ -281,4 +281,6 @@ def test_a_rank_that_does_not_take_part_is_named_within_the_timeout(
         assert "put_gradients" in operation
         assert f"rank(s) {ABSENT} (not entered the operation" in message
         assert f"after {TIMEOUT:g}s" in message
-        assert elapsed < TIMEOUT + 2.0, elapsed
+        # Loose (several times the timeout, so a loaded machine cannot fail
+        # it), yet far below the 300 s default that an ignored timeout gives.
+        assert elapsed < 5 * TIMEOUT, elapsed
