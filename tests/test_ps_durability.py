@@ -7,19 +7,25 @@ of pushes applied to it (small integers: exact in fp32, compared with ``==``).
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
 from gradhub import RemoteParameterServer, ServerConfig, ShapeMismatchError, start_server
+from gradhub.errors import ServerTimeoutError
+from gradhub.ps.launch import ServerHandle
 from harness import free_port
 
 FAST = {"timeout": 30.0, "heartbeat_interval": 0.1, "retry_interval": 0.5}
 PUSHES = 20
+LAST = 5  # pushes of a fourth worker, after the three have finished
 
 
 def _config(tmp_path: Path, **kw: object) -> ServerConfig:
@@ -41,7 +47,12 @@ def _pusher(ps: RemoteParameterServer, close: bool, acked: list[int]) -> None:
         ps.close()  # flushes: every acknowledged push on disk before it returns
 
 
-def _value_after_sigkill_and_restart(config: ServerConfig, close: bool) -> list[float]:
+def _value_after_sigkill_and_restart(
+    config: ServerConfig, close: bool, then: Callable[[ServerHandle], None] | None = None
+) -> list[float]:
+    """The value after 3 workers' pushes (closed or not), then a fourth worker's
+    (flushed or not, never closed), a SIGKILL and a restart; ``then`` gets the
+    restarted server."""
     server = start_server(config)
     try:
         with RemoteParameterServer(server.address, worker_id=100, **FAST) as driver:  # type: ignore[arg-type]
@@ -58,7 +69,16 @@ def _value_after_sigkill_and_restart(config: ServerConfig, close: bool) -> list[
         for t in threads:
             t.join(60)
         assert len(acked) == 3 * PUSHES
+        # The last to push: what it pushed is on disk only if its own flush put it there.
+        last = RemoteParameterServer(server.address, worker_id=3, **FAST)  # type: ignore[arg-type]
+        for _ in range(LAST):
+            last.push("w", torch.full((3,), -1.0)).result(30)
+        if close:
+            last.flush()  # returns once the server confirms
+            assert last._channel.unsaved() == []
         server.kill()  # SIGKILL: no last checkpoint
+        last._channel.close()  # gone without close
+        last._closed = True
         for ps in workers:
             if not close:  # gone without close: nothing flushed
                 ps._channel.close()
@@ -67,22 +87,50 @@ def _value_after_sigkill_and_restart(config: ServerConfig, close: bool) -> list[
         out = torch.empty(3)
         with RemoteParameterServer(server.address, worker_id=101, **FAST) as reader:  # type: ignore[arg-type]
             reader.pull("w", out).result(30)
+        if then is not None:
+            then(server)
         return out.tolist()
     finally:
         server.close()
 
 
+def _flush_and_close_name_a_stopped_server(server: ServerHandle) -> None:
+    """A server that cannot confirm (SIGSTOPped) is named by flush and close, in time."""
+    assert server.pid is not None
+    ps = RemoteParameterServer(server.address, worker_id=4, **FAST)  # type: ignore[arg-type]
+    try:
+        ps.push("w", torch.zeros(3)).result(30)  # acknowledged, not on disk
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            for call in (ps.flush, ps.close):
+                begin = time.monotonic()
+                with pytest.raises(ServerTimeoutError) as caught:
+                    call(timeout=0.5)
+                # Loose: 10x the flush timeout, far below the client's 30 s one.
+                assert time.monotonic() - begin < 5.0, call
+                assert caught.value.server == server.address
+                assert "did not answer flush within 0.5s" in str(caught.value)
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+    finally:
+        ps.close()  # closed already unless a check above failed
+
+
 @pytest.mark.slow
-def test_flush_on_close_keeps_every_acknowledged_push_through_a_sigkill(tmp_path: Path) -> None:
-    value = _value_after_sigkill_and_restart(_config(tmp_path), close=True)
-    assert value == [3.0 * PUSHES] * 3
+def test_flush_and_close_keep_every_acknowledged_push_and_name_a_stopped_server(
+    tmp_path: Path,
+) -> None:
+    value = _value_after_sigkill_and_restart(
+        _config(tmp_path), close=True, then=_flush_and_close_name_a_stopped_server
+    )
+    assert value == [3.0 * PUSHES + LAST] * 3
 
 
 @pytest.mark.slow
 def test_durable_server_keeps_every_acknowledged_push_without_close(tmp_path: Path) -> None:
     # The workers exit without close (no flush): only the write-ahead log keeps them.
     value = _value_after_sigkill_and_restart(_config(tmp_path, durable=True), close=False)
-    assert value == [3.0 * PUSHES] * 3
+    assert value == [3.0 * PUSHES + LAST] * 3
 
 
 @pytest.mark.slow

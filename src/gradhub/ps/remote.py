@@ -376,9 +376,10 @@ class RemoteParameterServer(ParameterServer):
         client's ``timeout``) names the servers that did not confirm.
         """
         self._check_open()
-        self._flush(time.monotonic() + (self.timeout if timeout is None else timeout))
+        self._flush(self.timeout if timeout is None else float(timeout))
 
-    def _flush(self, deadline: float) -> None:
+    def _flush(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
         while self._channel.busy() and time.monotonic() < deadline:
             time.sleep(0.005)
         waiting = [self._submit(Op.FLUSH, "", "", i) for i in self._channel.unsaved()]
@@ -391,7 +392,7 @@ class RemoteParameterServer(ParameterServer):
                 ", ".join(missing),
                 None,
                 "flush",
-                self.timeout,
+                timeout,
                 "acknowledged pushes of this client are not on disk there yet",
             )
 
@@ -402,7 +403,7 @@ class RemoteParameterServer(ParameterServer):
         if self._closed:
             return
         try:
-            self._flush(time.monotonic() + (self.timeout if timeout is None else timeout))
+            self._flush(self.timeout if timeout is None else float(timeout))
         finally:
             self._closed = True
             self._channel.close()
