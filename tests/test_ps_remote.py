@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import random
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -224,15 +226,27 @@ def test_gradhub_serve_command(tmp_path: object) -> None:
     try:
         assert proc.stdout is not None
         assert address in proc.stdout.readline()
-        with RemoteParameterServer(address, worker_id=1, timeout=10) as ps:
+        with RemoteParameterServer(address, worker_id=1, timeout=60) as ps:
             ps.init("w", torch.ones(2))
             ps.push("w", torch.ones(2)).result(10)
             out = torch.empty(2)
             ps.pull("w", out).result(10)
             assert torch.equal(out, torch.zeros(2))
-    finally:
-        proc.terminate()
+            waiting = ps.pull("later", torch.empty(1))  # waits for an init that never comes
+            with pytest.raises(TimeoutError):
+                waiting.result(0.5)  # pending on the server
+            start = time.monotonic()
+            proc.send_signal(signal.SIGINT)  # Ctrl-C; no checkpoint directory: no restart
+            with pytest.raises(ClosedError, match=re.escape(address)):
+                waiting.result(30)
+            with pytest.raises(ClosedError, match="shut down"):
+                ps.push("w", torch.ones(2)).result(30)
+            assert time.monotonic() - start < 10  # at once, not after the 60 s timeout
         assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(30)
         proc.stdout.close()  # type: ignore[union-attr]
     refused = subprocess.run(
         [sys.executable, "-m", "gradhub.cli.main", "serve", "--bind", "tcp://0.0.0.0:1"],
