@@ -81,13 +81,34 @@ def lm_data() -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, (tokens + 1) % 7  # next token: learnable
 
 
+class ScoresModel(nn.Module):
+    """Returns a dict whose logits are under a key the default loss does not know."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp()
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"scores": self.net(x)}
+
+
+def scores_loss(output: dict[str, torch.Tensor], batch: Any) -> torch.Tensor:
+    return nn.functional.cross_entropy(output["scores"], batch[1])
+
+
+def error_rate(output: Any, batch: Any) -> float:
+    """A metric callable: the share of wrong predictions (1 - accuracy)."""
+    return float((output.argmax(-1) != batch[1]).float().mean())
+
+
 def fit_kinds(rank: int, world: int) -> dict[str, Any]:
     runtime = gradhub.init(timeout=30)
     out: dict[str, Any] = {}
+    extra: dict[str, Any] = {}  # what some runs report beyond (losses, accuracy, parameters)
 
     def run(
         name: str, model: nn.Module, train: Any, strategy: str = "allreduce", **kw: Any
-    ) -> None:
+    ) -> gradhub.FitResult:
         opt = torch.optim.SGD(model.parameters(), lr=0.3)
         if kw.pop("schedule", False):  # made before fit, on the script's optimizer
             kw["lr_scheduler"] = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.1)
@@ -100,10 +121,16 @@ def fit_kinds(rank: int, world: int) -> dict[str, Any]:
             result.train_accuracy,
             [p.detach().numpy().copy() for p in model.parameters()],
         )
+        return result
+
+    def recorder(calls: list[Any]) -> Any:
+        return lambda epoch, record: calls.append((epoch, dict(record)))
 
     try:
         x, y = data()
-        run("tensors", mlp(), (x, y), epochs=3)
+        unused: list[Any] = []  # on_eval without eval_data: never called
+        run("tensors", mlp(), (x, y), epochs=3, on_eval=recorder(unused))
+        extra["on_eval without eval_data"] = unused
         run("tensordataset", mlp(), TensorDataset(x, y), epochs=3)
         run("mapstyle", mlp(), PairItems(), epochs=3)
         run("dicts", DictModel(), DictItems(), epochs=3)
@@ -124,6 +151,27 @@ def fit_kinds(rank: int, world: int) -> dict[str, Any]:
             grad_clip=10.0,
             lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 1.0),
         )
+        epochs: list[Any] = []
+        evals: list[Any] = []
+        result = run(
+            "metrics",
+            mlp(),
+            (x, y),
+            epochs=3,
+            eval_data=data(12, seed=2),
+            metrics=["loss", "accuracy", error_rate],
+            on_epoch=recorder(epochs),
+            on_eval=recorder(evals),
+        )
+        extra["metrics"] = {"on_epoch": epochs, "on_eval": evals, "history": result.history}
+        run("loss only", mlp(), (x, y), epochs=2, metrics=["loss"])
+        run("custom loss", ScoresModel(), (x, y), epochs=3, loss_fn=scores_loss)
+        bf16 = mlp()
+        run("bf16", bf16, (x, y), epochs=3, precision="bf16")
+        extra["bf16 dtypes"] = sorted(
+            {str(p.dtype) for p in bf16.parameters()}
+            | {str(p.grad.dtype) for p in bf16.parameters() if p.grad is not None}
+        )
     finally:
         runtime.close()
-    return out
+    return {"runs": out, "extra": extra}
