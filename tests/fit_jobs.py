@@ -53,6 +53,29 @@ class Stream(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
         return iter(zip(x, y, strict=True))
 
 
+class IdItems(Dataset[tuple[torch.Tensor, torch.Tensor, int]]):
+    """Map-style: ``(x, y, sample id)``, so a loss can record which samples it saw."""
+
+    def __init__(self, n: int) -> None:
+        self.x, self.y = data(n)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return self.x[i], self.y[i], i
+
+
+class IdStream(IterableDataset[tuple[torch.Tensor, torch.Tensor, int]]):
+    """Iterable: ``(x, y, sample id)`` in order, the same sequence on every rank."""
+
+    def __init__(self, n: int) -> None:
+        self.x, self.y = data(n)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
+        return iter(zip(self.x, self.y, range(len(self.x)), strict=True))
+
+
 class DictModel(nn.Module):
     """Takes a dict batch, returns a dict with logits."""
 
@@ -166,6 +189,26 @@ def fit_kinds(rank: int, world: int) -> dict[str, Any]:
         extra["metrics"] = {"on_epoch": epochs, "on_eval": evals, "history": result.history}
         run("loss only", mlp(), (x, y), epochs=2, metrics=["loss"])
         run("custom loss", ScoresModel(), (x, y), epochs=3, loss_fn=scores_loss)
+        # Which samples each rank trained on, per epoch (ids recorded by the loss).
+        for name, train in (
+            ("ids iterable", IdStream(25)),  # 8, 8, 8, 1: rank 1 has none in the last
+            ("ids loader over iterable", DataLoader(IdStream(25), batch_size=3)),
+            ("ids loader", DataLoader(IdItems(24), batch_size=4, shuffle=True)),
+            ("ids loader 25", DataLoader(IdItems(25), batch_size=4, shuffle=True)),
+        ):
+            ids: list[int] = []
+            per_epoch: list[list[int]] = []
+
+            def id_loss(output: torch.Tensor, batch: Any, ids: list[int] = ids) -> torch.Tensor:
+                ids.extend(batch[2].tolist())
+                return nn.functional.cross_entropy(output, batch[1])
+
+            def cut(epoch: int, record: Any, ids: list[int] = ids, out: Any = per_epoch) -> None:
+                out.append(list(ids))
+                ids.clear()
+
+            run(name, mlp(), train, epochs=2, loss_fn=id_loss, on_epoch=cut)
+            extra[name] = per_epoch
         bf16 = mlp()
         run("bf16", bf16, (x, y), epochs=3, precision="bf16")
         extra["bf16 dtypes"] = sorted(

@@ -48,6 +48,31 @@ def test_fit_on_every_kind_of_data(fit_kinds_results: list[Any]) -> None:
             assert np.array_equal(a, b), name
 
 
+def test_each_rank_trains_on_its_own_shard_and_the_ranks_cover_the_data(
+    fit_kinds_results: list[Any],
+) -> None:
+    extra = [r.value["extra"] for r in fit_kinds_results]
+    for name, n in (
+        ("ids iterable", 25),
+        ("ids loader over iterable", 25),
+        ("ids loader", 24),
+        ("ids loader 25", 25),
+    ):
+        for epoch in range(2):
+            mine, other = extra[0][name][epoch], extra[1][name][epoch]
+            assert mine and other, (name, epoch)
+            if name == "ids loader 25":
+                # As DistributedSampler: 25 does not split in 2, so one sample is
+                # repeated to give both ranks 13; every sample is seen.
+                assert len(mine) == len(other) == 13
+                assert sorted(set(mine + other)) == list(range(n))
+                continue
+            assert not set(mine) & set(other), (name, epoch)  # disjoint
+            assert sorted(mine + other) == list(range(n)), (name, epoch)  # each once
+    # The loader shuffled: a new order every epoch (DistributedSampler.set_epoch).
+    assert extra[0]["ids loader"][0] != extra[0]["ids loader"][1]
+
+
 def test_fit_metrics_callbacks_custom_loss_and_bf16(fit_kinds_results: list[Any]) -> None:
     out, extra = fit_kinds_results[0].value["runs"], fit_kinds_results[0].value["extra"]
     # on_epoch: once per epoch with the epoch's record; on_eval: once per evaluation.

@@ -10,8 +10,11 @@
   the same sequence on every rank, as one that seeds its shuffling does);
 - a ``DataLoader``: re-sharded over the ranks like ``DistributedSampler``
   (its dataset, per-rank ``batch_size``, ``collate_fn`` and ``num_workers``
-  are kept; shuffled if it shuffled, by ``seed`` and epoch); a loader over
-  an ``IterableDataset`` is sharded as above.
+  are kept; shuffled if it shuffled, by ``seed`` and epoch; as with
+  ``DistributedSampler``, a dataset whose length the number of ranks does not
+  divide has a few samples repeated, so that every rank gets as many); a
+  loader over an ``IterableDataset`` hands its batches out round-robin, each
+  rank one in turn.
 
 For the first three, ``batch_size`` is the **global** batch size (what one
 process would use): every epoch all ranks draw the same permutation (from
