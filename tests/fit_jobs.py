@@ -124,6 +124,38 @@ def error_rate(output: Any, batch: Any) -> float:
     return float((output.argmax(-1) != batch[1]).float().mean())
 
 
+def clipped_reference(
+    max_norm: float, epochs: int, *, per_rank: bool = False
+) -> tuple[list[Any], list[float]]:
+    """One process, plain torch: fit's global batches of 8 (its seed-0 shuffle),
+    ``clip_grad_norm_`` on the whole batch's gradient; (parameters, norms).
+    ``per_rank``: the wrong clip instead, each rank's half by its own norm."""
+    x, y = data()
+    model = mlp()
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=0.3)
+    norms = []
+    for epoch in range(epochs):
+        order = torch.randperm(len(x), generator=torch.Generator().manual_seed(epoch))
+        for chunk in order.split(8):
+            opt.zero_grad()
+            if not per_rank:
+                nn.functional.cross_entropy(model(x[chunk]), y[chunk]).backward()
+                norms.append(float(nn.utils.clip_grad_norm_(params, max_norm)))
+            else:
+                halves = []
+                for part in (chunk[0::2], chunk[1::2]):
+                    grads = torch.autograd.grad(
+                        nn.functional.cross_entropy(model(x[part]), y[part]), params
+                    )
+                    total = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads]))
+                    halves.append([g * min(1.0, max_norm / float(total)) for g in grads])
+                for p, a, b in zip(params, *halves, strict=True):
+                    p.grad = (a + b) / 2
+            opt.step()
+    return [p.detach().numpy().copy() for p in params], norms
+
+
 def fit_kinds(rank: int, world: int) -> dict[str, Any]:
     runtime = gradhub.init(timeout=30)
     out: dict[str, Any] = {}
@@ -189,6 +221,9 @@ def fit_kinds(rank: int, world: int) -> dict[str, Any]:
         extra["metrics"] = {"on_epoch": epochs, "on_eval": evals, "history": result.history}
         run("loss only", mlp(), (x, y), epochs=2, metrics=["loss"])
         run("custom loss", ScoresModel(), (x, y), epochs=3, loss_fn=scores_loss)
+        # A clip that binds at every step (the global norm is 0.8 to 0.9).
+        for strategy in ("allreduce", "sharded"):
+            run(f"clip {strategy}", mlp(), (x, y), strategy=strategy, epochs=2, grad_clip=0.05)
         # Which samples each rank trained on, per epoch (ids recorded by the loss).
         for name, train in (
             ("ids iterable", IdStream(25)),  # 8, 8, 8, 1: rank 1 has none in the last
