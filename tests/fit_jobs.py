@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, TensorDataset
 
 import gradhub
 
@@ -230,6 +230,11 @@ def fit_kinds(rank: int, world: int) -> dict[str, Any]:
             ("ids loader over iterable", DataLoader(IdStream(25), batch_size=3)),
             ("ids loader", DataLoader(IdItems(24), batch_size=4, shuffle=True)),
             ("ids loader 25", DataLoader(IdItems(25), batch_size=4, shuffle=True)),
+            # A DDP script's loader, unchanged: its DistributedSampler's shuffle is kept.
+            (
+                "ids ddp loader",
+                DataLoader(IdItems(24), batch_size=4, sampler=DistributedSampler(IdItems(24))),
+            ),
         ):
             ids: list[int] = []
             per_epoch: list[list[int]] = []

@@ -8,6 +8,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    SequentialSampler,
+    TensorDataset,
+    WeightedRandomSampler,
+)
 
 import gradhub
 from fit_jobs import clipped_reference, data, fit_kinds, mlp
@@ -74,6 +81,7 @@ def test_each_rank_trains_on_its_own_shard_and_the_ranks_cover_the_data(
         ("ids loader over iterable", 25),
         ("ids loader", 24),
         ("ids loader 25", 25),
+        ("ids ddp loader", 24),
     ):
         for epoch in range(2):
             mine, other = extra[0][name][epoch], extra[1][name][epoch]
@@ -86,8 +94,9 @@ def test_each_rank_trains_on_its_own_shard_and_the_ranks_cover_the_data(
                 continue
             assert not set(mine) & set(other), (name, epoch)  # disjoint
             assert sorted(mine + other) == list(range(n)), (name, epoch)  # each once
-    # The loader shuffled: a new order every epoch (DistributedSampler.set_epoch).
-    assert extra[0]["ids loader"][0] != extra[0]["ids loader"][1]
+    # The loaders shuffled: a new order every epoch (DistributedSampler.set_epoch).
+    for name in ("ids loader", "ids ddp loader"):
+        assert extra[0][name][0] != extra[0][name][1], name
 
 
 def test_fit_metrics_callbacks_custom_loss_and_bf16(fit_kinds_results: list[Any]) -> None:
@@ -134,6 +143,13 @@ def test_fit_settings_errors_and_run_folders(tmp_path: Path) -> None:
             trainer.fit([1, 2, 3])
         with pytest.raises(ValueError, match="precision is 'fp32', 'bf16' or 'fp16', got 'fp8'"):
             trainer.fit((x, y), precision="fp8")
+        pairs = TensorDataset(x, y)
+        weighted = WeightedRandomSampler([1.0] * len(x), len(x))
+        with pytest.raises(TypeError, match="a WeightedRandomSampler of its own"):
+            trainer.fit(DataLoader(pairs, batch_size=4, sampler=weighted))
+        batches = BatchSampler(SequentialSampler(pairs), 4, drop_last=False)
+        with pytest.raises(TypeError, match="a BatchSampler of its own"):
+            trainer.fit(DataLoader(pairs, batch_sampler=batches))
         with pytest.raises(ValueError, match=r"unknown metric 'f1'\n.*'accuracy', 'loss'"):
             trainer.fit((x, y), metrics=["accuracy", "f1"])
         with pytest.raises(ValueError, match="no name to report it under"):
