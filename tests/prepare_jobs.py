@@ -341,14 +341,16 @@ def uneven_reference() -> list[np.ndarray]:
     return params(model)
 
 
-def _misuse(rank: int, runtime: Any, strategy: str, server: str | None) -> dict[str, str]:
-    seen: dict[str, str] = {}
+def _misuse(rank: int, runtime: Any, strategy: str, server: str | None) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
     base = mlp()
     original = make_optimizer("sgd", base)  # the spec the servers' keys were made with
     options = {"servers": [server]} if server is not None else {}
     model, opt = gradhub.prepare(base, original, strategy=strategy, runtime=runtime, **options)
     x, y = batch("mlp", 0, 0, rank)
     with model:
+        seen["module is the original"] = model.module is base
+        seen["keys"] = (list(model.state_dict()), list(base.state_dict()))
         nn.functional.cross_entropy(model(x), y).backward()
         try:
             original.step()

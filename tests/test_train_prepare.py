@@ -180,6 +180,15 @@ def test_each_misuse_is_an_error_with_its_message(misuse_and_uneven_results: lis
                 assert "rank(s) 1 differ from rank 0" in seen["diverged"]
 
 
+def test_the_prepared_model_is_the_original_with_its_keys(
+    misuse_and_uneven_results: list[Any],
+) -> None:
+    for strategy, seen in misuse_and_uneven_results[0].value["misuse"].items():
+        assert seen["module is the original"] is True, strategy
+        keys, original = seen["keys"]
+        assert keys == original == ["0.weight", "0.bias", "2.weight", "2.bias"], strategy
+
+
 def test_clip_under_ps_async_is_per_worker(misuse_and_uneven_results: list[Any]) -> None:
     seen = [r.value["clip ps-async"] for r in misuse_and_uneven_results]
     for s in seen:
