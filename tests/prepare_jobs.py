@@ -267,14 +267,19 @@ def fit_sharded(runtime: Any, checkpoints: str | None, epochs: int) -> tuple[int
 
 
 def misuse_and_uneven(rank: int, world: int, servers: dict[str, str]) -> dict[str, Any]:
-    """Each misuse under allreduce and sharded; uneven batches weighted by set_samples."""
+    """Uneven batches weighted by set_samples; each misuse under every strategy (the
+    servers' keys exist by then: the misuse runs pull what the earlier runs left)."""
     runtime = gradhub.init(timeout=30)
     try:
-        return {
-            "misuse": {s: _misuse(rank, runtime, s) for s in ("allreduce", "sharded")},
+        out = {
             "uneven": _uneven(rank, runtime, servers),
             "clip ps-async": _clip_per_worker(rank, runtime, servers["ps-async"]),
         }
+        out["misuse"] = {
+            s: _misuse(rank, runtime, s, servers.get(s))
+            for s in ("allreduce", "sharded", "ps-sync", "ps-async", "ps-ssp")
+        }
+        return out
     finally:
         runtime.close()
 
@@ -336,13 +341,16 @@ def uneven_reference() -> list[np.ndarray]:
     return params(model)
 
 
-def _misuse(rank: int, runtime: Any, strategy: str) -> dict[str, str]:
-    seen: dict[str, str] = {}
+def _misuse(rank: int, runtime: Any, strategy: str, server: str | None) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
     base = mlp()
-    original = torch.optim.SGD(base.parameters(), lr=0.1)
-    model, opt = gradhub.prepare(base, original, strategy=strategy, runtime=runtime)
+    original = make_optimizer("sgd", base)  # the spec the servers' keys were made with
+    options = {"servers": [server]} if server is not None else {}
+    model, opt = gradhub.prepare(base, original, strategy=strategy, runtime=runtime, **options)
     x, y = batch("mlp", 0, 0, rank)
     with model:
+        seen["module is the original"] = model.module is base
+        seen["keys"] = (list(model.state_dict()), list(base.state_dict()))
         nn.functional.cross_entropy(model(x), y).backward()
         try:
             original.step()
@@ -360,12 +368,18 @@ def _misuse(rank: int, runtime: Any, strategy: str) -> dict[str, str]:
             opt.step()
         except gradhub.MisuseError as exc:
             seen["no sync"] = str(exc)
+        # ps-async/ssp: each worker's push was applied before its step returned;
+        # once both have returned, a pull sees both.
+        runtime.all_reduce_sum(torch.zeros(1), where="misuse: steps done")
         gradhub.check_in_sync(model)  # still equal: nothing diverged
         if rank == 1:
             with torch.no_grad():
                 next(model.parameters()).add_(1e-7)
         try:
+            # ps-*: check_in_sync pulls the servers' values first, which replace
+            # the local change: the replicas are equal again and it passes.
             gradhub.check_in_sync(model)
+            seen["in sync after a local change"] = "yes"
         except gradhub.ReplicasDivergedError as exc:
             seen["diverged"] = str(exc)
     return seen

@@ -3,24 +3,39 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    SequentialSampler,
+    TensorDataset,
+    WeightedRandomSampler,
+)
 
 import gradhub
-from fit_jobs import data, fit_kinds, mlp
+from fit_jobs import clipped_reference, data, fit_kinds, mlp
 from gradhub.train.checkpoint import CheckpointDir
 from gradhub.train.metrics import read_metrics
 from harness import run_ranks
 
 
-def test_fit_on_every_kind_of_data() -> None:
-    results = run_ranks(fit_kinds, 2, timeout=180)
-    out = results[0].value
+@pytest.fixture(scope="module")
+def fit_kinds_results() -> list[Any]:
+    return run_ranks(fit_kinds, 2, timeout=180)
+
+
+def test_fit_on_every_kind_of_data(fit_kinds_results: list[Any]) -> None:
+    results = [r.value["runs"] for r in fit_kinds_results]
+    out = results[0]
     for name, (losses, accuracy, _) in out.items():
         assert losses[-1] < losses[0], (name, losses)
-        applies = name not in ("regression",)
+        # No accuracy for a regression, without "accuracy" in metrics, or for a
+        # dict output without "logits" (nothing says which entry holds them).
+        applies = name not in ("regression", "loss only", "custom loss")
         assert (accuracy is not None) == applies, (name, accuracy)
     # The same global batches through tensors, a TensorDataset and a map-style
     # Dataset of tuples: the same steps, the same bits.
@@ -36,8 +51,83 @@ def test_fit_on_every_kind_of_data() -> None:
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
     # Both ranks hold the same model.
     for name in out:
-        for a, b in zip(out[name][2], results[1].value[name][2], strict=True):
+        for a, b in zip(out[name][2], results[1][name][2], strict=True):
             assert np.array_equal(a, b), name
+
+
+def test_fit_grad_clip_clips_by_the_global_norm(fit_kinds_results: list[Any]) -> None:
+    want, norms = clipped_reference(0.05, epochs=2)
+    per_rank = clipped_reference(0.05, epochs=2, per_rank=True)[0]
+    assert min(norms) > 0.05 * 5  # the clip binds at every step, by far
+    out = fit_kinds_results[0].value["runs"]
+    for strategy in ("allreduce", "sharded"):
+        got = out[f"clip {strategy}"][2]
+        # The global gradient is the two halves' mean (sharded: its norm summed
+        # from the slices): float32 rounding of another summation order only
+        # (3e-8 after these 6 steps when measured; the per-rank clip is 5e-3 off).
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+        # Clipping each rank's half by its own norm would be far outside that.
+        off = max(float(np.abs(a - b).max()) for a, b in zip(got, per_rank, strict=True))
+        assert off > 1e-4
+
+
+def test_each_rank_trains_on_its_own_shard_and_the_ranks_cover_the_data(
+    fit_kinds_results: list[Any],
+) -> None:
+    extra = [r.value["extra"] for r in fit_kinds_results]
+    for name, n in (
+        ("ids iterable", 25),
+        ("ids loader over iterable", 25),
+        ("ids loader", 24),
+        ("ids loader 25", 25),
+        ("ids ddp loader", 24),
+    ):
+        for epoch in range(2):
+            mine, other = extra[0][name][epoch], extra[1][name][epoch]
+            assert mine and other, (name, epoch)
+            if name == "ids loader 25":
+                # As DistributedSampler: 25 does not split in 2, so one sample is
+                # repeated to give both ranks 13; every sample is seen.
+                assert len(mine) == len(other) == 13
+                assert sorted(set(mine + other)) == list(range(n))
+                continue
+            assert not set(mine) & set(other), (name, epoch)  # disjoint
+            assert sorted(mine + other) == list(range(n)), (name, epoch)  # each once
+    # The loaders shuffled: a new order every epoch (DistributedSampler.set_epoch).
+    for name in ("ids loader", "ids ddp loader"):
+        assert extra[0][name][0] != extra[0][name][1], name
+
+
+def test_fit_metrics_callbacks_custom_loss_and_bf16(fit_kinds_results: list[Any]) -> None:
+    out, extra = fit_kinds_results[0].value["runs"], fit_kinds_results[0].value["extra"]
+    # on_epoch: once per epoch with the epoch's record; on_eval: once per evaluation.
+    seen = extra["metrics"]
+    history = seen["history"]
+    assert [e for e, _ in seen["on_epoch"]] == [0, 1, 2]
+    assert [r for _, r in seen["on_epoch"]] == history
+    assert [e for e, _ in seen["on_eval"]] == [0, 1, 2]
+    assert extra["on_eval without eval_data"] == []
+    for (_, record), want in zip(seen["on_eval"], history, strict=True):
+        assert record == want
+        # The callable is reported for training and evaluation, averaged over the
+        # samples of both ranks as accuracy is: 1 - accuracy up to float rounding.
+        for prefix in ("train_", "eval_"):
+            assert record[f"{prefix}error_rate"] == pytest.approx(
+                1 - record[f"{prefix}accuracy"], abs=1e-9
+            )
+            assert record[f"{prefix}loss"] is not None
+    # loss_fn reading the output dict's "scores": the same cross-entropy as the
+    # default on plain logits, on the same batches: the same bits.
+    for a, b in zip(out["custom loss"][2], out["tensors"][2], strict=True):
+        assert np.array_equal(a, b)
+    # bf16 autocast on CPU: parameters and gradients stay fp32, the forward ran in
+    # bf16 (the result differs from fp32's, within bf16's 8 significant bits).
+    assert extra["bf16 dtypes"] == ["torch.float32"]
+    bf16, fp32 = out["bf16"][2], out["tensors"][2]
+    assert any(not np.array_equal(a, b) for a, b in zip(bf16, fp32, strict=True))
+    for a, b in zip(bf16, fp32, strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=5e-2)
 
 
 def test_fit_settings_errors_and_run_folders(tmp_path: Path) -> None:
@@ -53,6 +143,23 @@ def test_fit_settings_errors_and_run_folders(tmp_path: Path) -> None:
             trainer.fit([1, 2, 3])
         with pytest.raises(ValueError, match="precision is 'fp32', 'bf16' or 'fp16', got 'fp8'"):
             trainer.fit((x, y), precision="fp8")
+        pairs = TensorDataset(x, y)
+        weighted = WeightedRandomSampler([1.0] * len(x), len(x))
+        with pytest.raises(TypeError, match="a WeightedRandomSampler of its own"):
+            trainer.fit(DataLoader(pairs, batch_size=4, sampler=weighted))
+        batches = BatchSampler(SequentialSampler(pairs), 4, drop_last=False)
+        with pytest.raises(TypeError, match="a BatchSampler of its own"):
+            trainer.fit(DataLoader(pairs, batch_sampler=batches))
+        with pytest.raises(ValueError, match=r"unknown metric 'f1'\n.*'accuracy', 'loss'"):
+            trainer.fit((x, y), metrics=["accuracy", "f1"])
+        with pytest.raises(ValueError, match="no name to report it under"):
+            trainer.fit((x, y), metrics=[lambda output, batch: 0.0])
+
+        def accuracy(output: object, batch: object) -> float:
+            return 0.0
+
+        with pytest.raises(ValueError, match="accuracy given more than once"):
+            trainer.fit((x, y), metrics=["accuracy", accuracy])
         run, ckpt = tmp_path / "run", tmp_path / "ckpt"
         first = trainer.fit((x, y), epochs=2, run_dir=run, checkpoint_dir=ckpt, progress=False)
         with pytest.raises(FileExistsError, match="already holds the metrics"):

@@ -153,18 +153,40 @@ def misuse_and_uneven_results() -> Iterator[list[Any]]:
     with (
         start_server(ServerConfig(mode="sync", workers=2)) as server,
         start_server(ServerConfig(mode="async", workers=2)) as async_server,
+        start_server(ServerConfig(mode="ssp", workers=2), in_thread=True) as ssp_server,
     ):
-        servers = {"ps-sync": server.address, "ps-async": async_server.address}
+        servers = {
+            "ps-sync": server.address,
+            "ps-async": async_server.address,
+            "ps-ssp": ssp_server.address,
+        }
         yield run_ranks(misuse_and_uneven, 2, servers, timeout=180)
 
 
 def test_each_misuse_is_an_error_with_its_message(misuse_and_uneven_results: list[Any]) -> None:
-    for seen in (s for r in misuse_and_uneven_results for s in r.value["misuse"].values()):
-        assert "handed to gradhub.prepare" in seen["original"]
-        assert "second backward() before optimizer.step()" in seen["second backward"]
-        assert "no_sync()" in seen["second backward"]
-        assert "without a backward() outside no_sync()" in seen["no sync"]
-        assert "rank(s) 1 differ from rank 0" in seen["diverged"]
+    for r in misuse_and_uneven_results:
+        misuse = r.value["misuse"]
+        assert sorted(misuse) == sorted(["allreduce", "sharded", "ps-sync", "ps-async", "ps-ssp"])
+        for strategy, seen in misuse.items():
+            assert "handed to gradhub.prepare" in seen["original"], strategy
+            assert "second backward() before optimizer.step()" in seen["second backward"]
+            assert "no_sync()" in seen["second backward"]
+            assert "without a backward() outside no_sync()" in seen["no sync"], strategy
+            if strategy.startswith("ps-"):
+                # The servers hold the parameters: check_in_sync pulls them first,
+                # so a local change is replaced, not reported (see strategies/ps.py).
+                assert "diverged" not in seen and "in sync after a local change" in seen
+            else:
+                assert "rank(s) 1 differ from rank 0" in seen["diverged"]
+
+
+def test_the_prepared_model_is_the_original_with_its_keys(
+    misuse_and_uneven_results: list[Any],
+) -> None:
+    for strategy, seen in misuse_and_uneven_results[0].value["misuse"].items():
+        assert seen["module is the original"] is True, strategy
+        keys, original = seen["keys"]
+        assert keys == original == ["0.weight", "0.bias", "2.weight", "2.bias"], strategy
 
 
 def test_clip_under_ps_async_is_per_worker(misuse_and_uneven_results: list[Any]) -> None:

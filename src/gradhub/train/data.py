@@ -10,8 +10,14 @@
   the same sequence on every rank, as one that seeds its shuffling does);
 - a ``DataLoader``: re-sharded over the ranks like ``DistributedSampler``
   (its dataset, per-rank ``batch_size``, ``collate_fn`` and ``num_workers``
-  are kept; shuffled if it shuffled, by ``seed`` and epoch); a loader over
-  an ``IterableDataset`` is sharded as above.
+  are kept; shuffled by ``seed`` and epoch if it shuffled: its sampler was a
+  ``RandomSampler`` (``shuffle=True``) or a ``DistributedSampler`` with
+  ``shuffle=True``, so a DDP script's loader works unchanged; another sampler,
+  or a ``batch_sampler`` of its own, would be lost and is an error; as with
+  ``DistributedSampler``, a dataset whose length the number of ranks does not
+  divide has a few samples repeated, so that every rank gets as many); a
+  loader over an ``IterableDataset`` hands its batches out round-robin, each
+  rank one in turn.
 
 For the first three, ``batch_size`` is the **global** batch size (what one
 process would use): every epoch all ranks draw the same permutation (from
@@ -30,7 +36,15 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, TensorDataset
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+    TensorDataset,
+)
 from torch.utils.data._utils.collate import default_collate
 
 from gradhub.merge import split_batch
@@ -88,6 +102,24 @@ def _columns(data: Any) -> TensorDataset | None:
     return None
 
 
+def _check_loader(loader: DataLoader[Any], what: str) -> None:
+    """A loader whose sampling ``fit`` would replace with a different one is an error."""
+    kinds = (SequentialSampler, RandomSampler, DistributedSampler)
+    if loader.batch_size is None or not isinstance(loader.sampler, kinds):
+        own = (
+            type(loader.batch_sampler).__name__
+            if loader.batch_size is None
+            else type(loader.sampler).__name__
+        )
+        raise TypeError(
+            f"{what} is a DataLoader with a {own} of its own; fit re-shards a loader over "
+            "the ranks with a DistributedSampler, which would drop it\n- help: give the "
+            "loader batch_size= and shuffle= (or a DistributedSampler), or draw the samples "
+            "in an IterableDataset (the same sequence on every rank; fit keeps each rank's "
+            "share)"
+        )
+
+
 class Source:
     """One data argument of ``fit``; :meth:`epoch` yields this rank's :class:`Step` s."""
 
@@ -119,6 +151,8 @@ class Source:
         self.iterable = isinstance(self.dataset, IterableDataset)
         if not self.iterable and len(self.dataset) == 0:
             raise ValueError(f"{what} holds no samples")
+        if self.loader is not None and not self.iterable:
+            _check_loader(self.loader, what)
 
     def steps_per_epoch(self) -> int | None:
         """Steps of one epoch, where the source can tell (not for iterable data)."""
@@ -160,7 +194,9 @@ class Source:
     def _loader(self, epoch: int, shuffle: bool) -> Iterator[Step]:
         assert self.loader is not None
         loader = self.loader
-        was_shuffled = isinstance(loader.sampler, torch.utils.data.RandomSampler)
+        was_shuffled = isinstance(loader.sampler, RandomSampler) or (
+            isinstance(loader.sampler, DistributedSampler) and loader.sampler.shuffle
+        )
         sampler: DistributedSampler[Any] = DistributedSampler(
             self.dataset,
             num_replicas=self.world,

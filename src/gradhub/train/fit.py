@@ -14,10 +14,13 @@ Batches and outputs (decisions):
   logits (the output, or its ``"logits"``) against integer targets, flattened
   so ``(B, T, V)`` logits against ``(B, T)`` targets work; mean squared error
   against floating-point targets.
-- Accuracy is reported where it applies (logits with one more dimension than
-  integer targets: per sample, or per token for ``(B, T, V)``), otherwise
-  ``None``. ``metrics=`` adds callables ``metric(output, batch) -> float``
-  (a mean over the batch), reported as ``train_<name>`` / ``eval_<name>``.
+- ``metrics=`` names what is reported beside the loss (default
+  ``("accuracy",)``). Accuracy is reported where it applies (logits with one
+  more dimension than integer targets: per sample, or per token for
+  ``(B, T, V)``), otherwise ``None``; also ``None`` when ``"accuracy"`` is
+  not in ``metrics``. ``"loss"`` is always reported. Callables
+  ``metric(output, batch) -> float`` (a mean over the batch) are reported as
+  ``train_<name>`` / ``eval_<name>``, averaged over the samples of every rank.
 - ``accumulate=k``: each step runs ``k`` consecutive batches, each loss
   weighted by its share of the step's samples; the optimizer steps once.
 - ``lr_scheduler``: a scheduler over the optimizer given to the trainer, or
@@ -148,15 +151,16 @@ def correct(output: Any, batch: Any) -> tuple[float, float] | None:
 class Stats:
     """Sums of one epoch (or one evaluation) on this rank: loss, accuracy, metrics."""
 
-    def __init__(self, metrics: dict[str, Metric]) -> None:
+    def __init__(self, metrics: dict[str, Metric], accuracy: bool = True) -> None:
         self.metrics = metrics
+        self.accuracy = accuracy
         self.values = torch.zeros(4 + len(metrics), dtype=torch.float64)
 
     def add(self, output: Any, batch: Any, loss: float, samples: int) -> None:
         v = self.values
         v[0] += loss * samples
         v[1] += samples
-        hits = correct(output, batch)
+        hits = correct(output, batch) if self.accuracy else None
         if hits is not None:
             v[2] += hits[0]
             v[3] += hits[1]
@@ -195,6 +199,7 @@ class FitRun:
             for m in cfg.metrics
         ]
         self.metric_fns: dict[str, Metric] = {n: fn for n, fn in named if not isinstance(fn, str)}
+        self.accuracy = "accuracy" in cfg.metrics
         folder, self.resuming = self._checkpoint_plan()
         self._check_run_dir()
         self.metrics = MetricsWriter(cfg.run_dir, runtime.rank)
@@ -349,7 +354,7 @@ class FitRun:
         return {"loss": loss_sum / local if local else None, "samples": local, **extra}
 
     def evaluate(self, source: Source | None) -> torch.Tensor:
-        stats = Stats(self.metric_fns)
+        stats = Stats(self.metric_fns, self.accuracy)
         if source is None:
             return stats.values
         self.strategy.refresh()
@@ -429,7 +434,7 @@ class FitRun:
         skip = start - first_epoch * per_epoch if per_epoch else start
         try:
             for epoch in range(first_epoch, cfg.epochs):
-                stats = Stats(self.metric_fns)
+                stats = Stats(self.metric_fns, self.accuracy)
                 for micro in self._micro_steps(train, epoch):
                     if skip:
                         skip -= 1

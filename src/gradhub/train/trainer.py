@@ -42,6 +42,8 @@ from gradhub.train.strategies import Strategy, check_name, make_strategy
 from gradhub.train.wrapped_model import PreparedModel
 
 StepCallback = Callable[[int, dict[str, Any]], None]
+METRIC_NAMES = ("accuracy", "loss")
+"""The metrics ``fit`` knows by name (``FitConfig.metrics``)."""
 
 
 @dataclass(kw_only=True)
@@ -94,7 +96,11 @@ class FitConfig:
     """Options of the :class:`gradhub.GradScaler` of ``precision="fp16"``
     (``init_scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``)."""
     metrics: Sequence[str | Metric] = ("accuracy",)
-    """``"accuracy"`` (reported where it applies) and callables ``fn(output, batch)``."""
+    """What is reported beside the loss, by name or as a callable: ``"accuracy"``
+    (where it applies, else ``None``; without it in the list, always ``None``),
+    ``"loss"`` (always reported; accepted so a Keras-style list works), and
+    callables ``fn(output, batch) -> float`` (a mean over the batch), reported as
+    ``train_<name>`` / ``eval_<name>`` after the function's ``__name__``."""
 
     def __post_init__(self) -> None:
         if self.scheduler_interval not in ("step", "epoch"):
@@ -117,9 +123,7 @@ class FitConfig:
                     f"unknown grad_scaler option(s): {', '.join(unknown)}\n- help: valid "
                     f"options are {', '.join(valid)}"
                 )
-        for m in self.metrics:
-            if isinstance(m, str) and m != "accuracy":
-                raise ValueError(f"unknown metric {m!r}; give 'accuracy' or a callable")
+        self._check_metrics()
         if self.grad_clip is not None and not self.grad_clip > 0:
             raise ValueError(f"grad_clip must be > 0, got {self.grad_clip}")
         for name in ("epochs", "batch_size", "log_every", "accumulate"):
@@ -132,6 +136,38 @@ class FitConfig:
         self.run_dir = Path(self.run_dir) if self.run_dir is not None else None
         if self.checkpoint_dir is not None:
             self.checkpoint_dir = Path(self.checkpoint_dir)
+
+    def _check_metrics(self) -> None:
+        if isinstance(self.metrics, str):
+            self.metrics = (self.metrics,)
+        names: list[str] = []
+        for m in self.metrics:
+            if isinstance(m, str):
+                if m not in METRIC_NAMES:
+                    raise ValueError(
+                        f"unknown metric {m!r}\n- help: valid names are "
+                        f"{', '.join(map(repr, METRIC_NAMES))}; or give a callable "
+                        "fn(output, batch) -> float"
+                    )
+                names.append(m)
+            elif callable(m):
+                name = getattr(m, "__name__", None)
+                if not isinstance(name, str) or not name.isidentifier():
+                    raise ValueError(
+                        f"metric {m!r} has no name to report it under ({name!r})\n- help: "
+                        "define it with `def name(output, batch): ...`: its records are "
+                        "train_<name> and eval_<name>"
+                    )
+                names.append(name)
+            else:
+                raise TypeError(f"a metric is a name or a callable, got {type(m).__name__}")
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(
+                f"metric name(s) {', '.join(repeated)} given more than once (a callable is "
+                f"named after its __name__; 'loss' and 'accuracy' are taken)\n- help: give "
+                "each metric its own name"
+            )
 
 
 @dataclass

@@ -59,6 +59,8 @@ stepping the optimizer handed to ``prepare``; a second synchronising backward
 before ``step`` (ranks that ran a different number of them would pair
 mismatched collectives; use ``no_sync()`` for every micro-batch but the last,
 or sum the losses); ``step`` with no synchronising backward since the last one.
+All three are errors under every strategy, the ``ps-*`` ones included, where
+a backward communicates nothing (see :mod:`.ps` for why).
 """
 
 from __future__ import annotations
@@ -183,9 +185,12 @@ class Strategy(abc.ABC):
         # backward leaves every gradient as it was.
         if not self._in_backward and self.sync and self._synced:
             raise MisuseError(
-                "a second backward() before optimizer.step(), outside no_sync(): ranks "
-                "would pair mismatched collectives\n- help: run every micro-batch but the "
-                "last under `with model.no_sync():`, or add the losses and call backward once"
+                "a second backward() before optimizer.step(), outside no_sync(): a backward "
+                "outside no_sync() ends the step's gradient (allreduce and sharded combine it "
+                "across ranks during that backward, so ranks would pair mismatched "
+                "collectives); every strategy refuses it, so a loop runs unchanged under "
+                "each\n- help: run every micro-batch but the last under "
+                "`with model.no_sync():`, or add the losses and call backward once"
             )
 
     def _on_grad(self, p: torch.Tensor) -> None:
@@ -218,8 +223,10 @@ class Strategy(abc.ABC):
         if not self._synced:
             raise MisuseError(
                 "optimizer.step() without a backward() outside no_sync() since the last "
-                "step: the gradients were never combined across ranks\n- help: run the "
-                "last micro-batch's backward outside `with model.no_sync():`"
+                "step: nothing ended the step's gradient (under allreduce and sharded it "
+                "would never have been combined across ranks); every strategy refuses it"
+                "\n- help: run the last micro-batch's backward outside "
+                "`with model.no_sync():`"
             )
         self._stepping = True
         try:

@@ -51,6 +51,21 @@ Decisions:
   push ``1 / world_size`` of it, so the servers apply the clipped global
   gradient; under ``ps-async``/``ps-ssp`` no global gradient exists and each
   worker's weighted gradient is clipped by its own norm before the push.
+- Misuse: the three errors of :mod:`.base` hold here too. Stepping the
+  script's optimizer would update this worker's replica alone (the next pull
+  overwrites it, the step is lost). A second backward outside ``no_sync()``
+  before ``step``, and a ``step`` after backward passes inside ``no_sync()``
+  only, would be harmless here (a backward communicates nothing; the push
+  happens at ``step``), but they are refused all the same: the same loop must
+  run under every strategy, and under ``allreduce``/``sharded`` the first
+  pairs mismatched collectives and the second steps on uncombined gradients.
+  Refusing them here means a loop does not start failing when its strategy
+  changes.
+- :func:`gradhub.check_in_sync` pulls the servers' values first (as
+  ``refresh``), so a local change to a replica is replaced, not reported: the
+  replicas cannot drift apart from the servers for longer than until the
+  next pull. Under ``ps-async``/``ps-ssp`` call it once every worker's last
+  step has returned (a push is applied before its worker's step returns).
 - Model buffers (e.g. batch-norm statistics) stay local to each worker.
 - Loss scaling (:class:`gradhub.GradScaler`): ``unscale_`` unscales the
   worker's gradient before it is pushed, so only unscaled values travel (the
