@@ -13,7 +13,9 @@ namespace and the namespaces have no route but their subnet, so nothing can
 reach an address outside the namespaces created here.
 
 ``cluster.popen(host, argv)`` starts a process inside a host (``ip netns
-exec``) with ``GLOO_SOCKET_IFNAME=eth0``; ``close()`` (also on ``__exit__``,
+exec``) with ``GLOO_SOCKET_IFNAME=eth0`` (``Cluster(..., gloo_ifname=False)``:
+without it, also when the caller's environment has one, so that what runs
+inside has to work the interface out itself); ``close()`` (also on ``__exit__``,
 also after a failure) kills every process still inside the namespaces (``ip
 netns pids``: all of them were started here), deletes the namespaces (which
 deletes their veths) and the bridge. Names carry a per-process tag, so
@@ -126,7 +128,7 @@ def _sweep_stale() -> None:
 class Cluster:
     """``hosts`` emulated hosts joined by ``rate``-limited links (``None``: no limit)."""
 
-    def __init__(self, hosts: int, *, rate: str | None = "1gbit") -> None:
+    def __init__(self, hosts: int, *, rate: str | None = "1gbit", gloo_ifname: bool = True) -> None:
         if hosts < 1 or hosts > 200:
             raise ValueError(f"hosts must be in [1, 200], got {hosts}")
         _sweep_stale()
@@ -137,6 +139,7 @@ class Cluster:
         # bridge (its own L2 segment), so two clusters never see each other.
         self.hosts = [Host(i, f"gh{tag}h{i}", f"10.213.0.{i + 1}") for i in range(hosts)]
         self.rate: str | None = None
+        self.gloo_ifname = gloo_ifname
         self._procs: list[subprocess.Popen[Any]] = []
         self._made_ns: list[str] = []
         self._made_bridge = False
@@ -208,9 +211,13 @@ class Cluster:
     # processes ---------------------------------------------------------------------
 
     def env(self, host: Host, extra: dict[str, str] | None = None) -> dict[str, str]:
-        """The environment of a process on ``host``: ours, plus GLOO_SOCKET_IFNAME."""
+        """The environment of a process on ``host``: ours, plus (or, with
+        ``gloo_ifname=False``, minus) GLOO_SOCKET_IFNAME; then ``extra``."""
         env = dict(os.environ)
-        env["GLOO_SOCKET_IFNAME"] = host.ifname
+        if self.gloo_ifname:
+            env["GLOO_SOCKET_IFNAME"] = host.ifname
+        else:
+            env.pop("GLOO_SOCKET_IFNAME", None)
         env.update(extra or {})
         return env
 
