@@ -6,7 +6,8 @@ end of a veth pair; the other end joins a private bridge) holding an address
 of a private test subnet, ``lo`` up, and a ``tbf`` rate limit on both ends of
 every link, so every packet between two hosts passes two limiters of the
 same rate (the link's rate in each direction). Segmentation offloads are
-turned off on the veths so the limiters see wire-sized packets.
+turned off on the veths so the limiters see wire-sized packets (read back: a
+veth that keeps one fails the set-up with :class:`ClusterError`).
 
 Traffic stays inside: the bridge has no address in the machine's own
 namespace and the namespaces have no route but their subnet, so nothing can
@@ -79,18 +80,41 @@ def _tc(*args: str) -> None:
 
 
 _SIOCETHTOOL = 0x8946
-_ETHTOOL_STSO, _ETHTOOL_SGSO, _ETHTOOL_SGRO = 0x1F, 0x24, 0x2C
+_OFFLOADS = {  # name: (ETHTOOL_G*, ETHTOOL_S*) of <linux/ethtool.h>
+    "tso": (0x1E, 0x1F),
+    "gso": (0x23, 0x24),
+    "gro": (0x2B, 0x2C),
+}
+
+
+def _ethtool(s: socket.socket, ifname: str, cmd: int, data: int = 0) -> int:
+    """One ``struct ethtool_value`` ioctl on ``ifname``; the value it holds after."""
+    value = ctypes.create_string_buffer(struct.pack("II", cmd, data), 8)
+    request = struct.pack("16sP", ifname.encode(), ctypes.addressof(value))
+    fcntl.ioctl(s, _SIOCETHTOOL, request)
+    return int(struct.unpack("II", value.raw)[1])
+
+
+def offloads(ifname: str) -> dict[str, bool]:
+    """Whether TSO, GSO and GRO are on for ``ifname`` (in this process's namespace)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        return {name: bool(_ethtool(s, ifname, get)) for name, (get, _) in _OFFLOADS.items()}
 
 
 def _offloads_off(ifname: str) -> None:
-    """Turn TSO, GSO and GRO off on ``ifname`` (what ``ethtool -K`` does; no ethtool here)."""
+    """Turn TSO, GSO and GRO off on ``ifname`` (what ``ethtool -K`` does; no ethtool
+    here), read them back, and raise :class:`ClusterError` if one stays on:
+    a ``tbf`` limiter would then meter 64 KB segments instead of wire-sized
+    packets, and every rate measured through it would be wrong."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        for cmd in (_ETHTOOL_STSO, _ETHTOOL_SGSO, _ETHTOOL_SGRO):
-            value = ctypes.create_string_buffer(struct.pack("II", cmd, 0))
-            request = struct.pack("16sP", ifname.encode(), ctypes.addressof(value))
-            # A device without the setting keeps it: tbf segments such packets itself.
-            with contextlib.suppress(OSError):
-                fcntl.ioctl(s, _SIOCETHTOOL, request)
+        for name, (get, set_) in _OFFLOADS.items():
+            try:
+                _ethtool(s, ifname, set_, 0)
+                on = _ethtool(s, ifname, get)
+            except OSError as exc:
+                raise ClusterError(f"cannot turn {name} off on {ifname}: {exc}") from None
+            if on:
+                raise ClusterError(f"{name} is still on on {ifname} after turning it off")
 
 
 _STALE_NS = re.compile(r"gh(\d+)x\d+h\d+")
