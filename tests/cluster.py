@@ -6,14 +6,17 @@ end of a veth pair; the other end joins a private bridge) holding an address
 of a private test subnet, ``lo`` up, and a ``tbf`` rate limit on both ends of
 every link, so every packet between two hosts passes two limiters of the
 same rate (the link's rate in each direction). Segmentation offloads are
-turned off on the veths so the limiters see wire-sized packets.
+turned off on the veths so the limiters see wire-sized packets (read back: a
+veth that keeps one fails the set-up with :class:`ClusterError`).
 
 Traffic stays inside: the bridge has no address in the machine's own
 namespace and the namespaces have no route but their subnet, so nothing can
 reach an address outside the namespaces created here.
 
 ``cluster.popen(host, argv)`` starts a process inside a host (``ip netns
-exec``) with ``GLOO_SOCKET_IFNAME=eth0``; ``close()`` (also on ``__exit__``,
+exec``) with ``GLOO_SOCKET_IFNAME=eth0`` (``Cluster(..., gloo_ifname=False)``:
+without it, also when the caller's environment has one, so that what runs
+inside has to work the interface out itself); ``close()`` (also on ``__exit__``,
 also after a failure) kills every process still inside the namespaces (``ip
 netns pids``: all of them were started here), deletes the namespaces (which
 deletes their veths) and the bridge. Names carry a per-process tag, so
@@ -77,18 +80,41 @@ def _tc(*args: str) -> None:
 
 
 _SIOCETHTOOL = 0x8946
-_ETHTOOL_STSO, _ETHTOOL_SGSO, _ETHTOOL_SGRO = 0x1F, 0x24, 0x2C
+_OFFLOADS = {  # name: (ETHTOOL_G*, ETHTOOL_S*) of <linux/ethtool.h>
+    "tso": (0x1E, 0x1F),
+    "gso": (0x23, 0x24),
+    "gro": (0x2B, 0x2C),
+}
+
+
+def _ethtool(s: socket.socket, ifname: str, cmd: int, data: int = 0) -> int:
+    """One ``struct ethtool_value`` ioctl on ``ifname``; the value it holds after."""
+    value = ctypes.create_string_buffer(struct.pack("II", cmd, data), 8)
+    request = struct.pack("16sP", ifname.encode(), ctypes.addressof(value))
+    fcntl.ioctl(s, _SIOCETHTOOL, request)
+    return int(struct.unpack("II", value.raw)[1])
+
+
+def offloads(ifname: str) -> dict[str, bool]:
+    """Whether TSO, GSO and GRO are on for ``ifname`` (in this process's namespace)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        return {name: bool(_ethtool(s, ifname, get)) for name, (get, _) in _OFFLOADS.items()}
 
 
 def _offloads_off(ifname: str) -> None:
-    """Turn TSO, GSO and GRO off on ``ifname`` (what ``ethtool -K`` does; no ethtool here)."""
+    """Turn TSO, GSO and GRO off on ``ifname`` (what ``ethtool -K`` does; no ethtool
+    here), read them back, and raise :class:`ClusterError` if one stays on:
+    a ``tbf`` limiter would then meter 64 KB segments instead of wire-sized
+    packets, and every rate measured through it would be wrong."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        for cmd in (_ETHTOOL_STSO, _ETHTOOL_SGSO, _ETHTOOL_SGRO):
-            value = ctypes.create_string_buffer(struct.pack("II", cmd, 0))
-            request = struct.pack("16sP", ifname.encode(), ctypes.addressof(value))
-            # A device without the setting keeps it: tbf segments such packets itself.
-            with contextlib.suppress(OSError):
-                fcntl.ioctl(s, _SIOCETHTOOL, request)
+        for name, (get, set_) in _OFFLOADS.items():
+            try:
+                _ethtool(s, ifname, set_, 0)
+                on = _ethtool(s, ifname, get)
+            except OSError as exc:
+                raise ClusterError(f"cannot turn {name} off on {ifname}: {exc}") from None
+            if on:
+                raise ClusterError(f"{name} is still on on {ifname} after turning it off")
 
 
 _STALE_NS = re.compile(r"gh(\d+)x\d+h\d+")
@@ -126,7 +152,7 @@ def _sweep_stale() -> None:
 class Cluster:
     """``hosts`` emulated hosts joined by ``rate``-limited links (``None``: no limit)."""
 
-    def __init__(self, hosts: int, *, rate: str | None = "1gbit") -> None:
+    def __init__(self, hosts: int, *, rate: str | None = "1gbit", gloo_ifname: bool = True) -> None:
         if hosts < 1 or hosts > 200:
             raise ValueError(f"hosts must be in [1, 200], got {hosts}")
         _sweep_stale()
@@ -137,6 +163,7 @@ class Cluster:
         # bridge (its own L2 segment), so two clusters never see each other.
         self.hosts = [Host(i, f"gh{tag}h{i}", f"10.213.0.{i + 1}") for i in range(hosts)]
         self.rate: str | None = None
+        self.gloo_ifname = gloo_ifname
         self._procs: list[subprocess.Popen[Any]] = []
         self._made_ns: list[str] = []
         self._made_bridge = False
@@ -208,9 +235,13 @@ class Cluster:
     # processes ---------------------------------------------------------------------
 
     def env(self, host: Host, extra: dict[str, str] | None = None) -> dict[str, str]:
-        """The environment of a process on ``host``: ours, plus GLOO_SOCKET_IFNAME."""
+        """The environment of a process on ``host``: ours, plus (or, with
+        ``gloo_ifname=False``, minus) GLOO_SOCKET_IFNAME; then ``extra``."""
         env = dict(os.environ)
-        env["GLOO_SOCKET_IFNAME"] = host.ifname
+        if self.gloo_ifname:
+            env["GLOO_SOCKET_IFNAME"] = host.ifname
+        else:
+            env.pop("GLOO_SOCKET_IFNAME", None)
         env.update(extra or {})
         return env
 

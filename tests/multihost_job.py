@@ -7,7 +7,7 @@ on rank i % world size) and saves every rank's parameters to
 --servers`` started; ``ps-async`` uses ``--async-server`` (started with
 ``gradhub serve`` elsewhere). With ``--refused-check``, rank 0 then talks to
 the ``--async-server`` without the secret and records what happened in
-``OUT/refused.txt``.
+``OUT/refused.json`` (the error's class, message and seconds taken, each way).
 
 With ``--flat``, ``allreduce`` and ``sharded`` run once more on the flat ring
 (``GRADHUB_TRANSPORT=ring``; the first run takes the job's own transport,
@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,8 @@ from gradhub.train.strategies import make_strategy
 from train_helpers import fixed_data, tiny_model
 
 GLOBAL_BATCH = 16
+REFUSAL_WAIT = 30.0
+"""Seconds the ``--refused-check`` clients wait for the server (their timeouts)."""
 COUNTED = 2_000_000
 """Elements of the all-reduce whose bytes between hosts are counted (8 MB)."""
 
@@ -61,19 +64,33 @@ def train(
     return [p.detach().clone() for p in model.parameters()]
 
 
-def refused(address: str, secret: bytes | None) -> str:
-    """Pull from ``address`` without the secret, then with it; say what happened."""
+def refused(address: str, secret: bytes | None) -> dict[str, Any]:
+    """Pull from ``address`` without the secret, then with it; say what happened.
+
+    The client waits up to :data:`REFUSAL_WAIT` seconds for the server, so a
+    refusal (one round trip) and a timeout are far apart in ``seconds``.
+    """
     from gradhub.ps.remote import RemoteParameterServer
 
-    def pull(worker_id: int, key: bytes | None) -> str:
+    def pull(worker_id: int, key: bytes | None) -> dict[str, Any]:
+        begin = time.monotonic()
         try:
-            with RemoteParameterServer([address], worker_id=worker_id, secret=key, timeout=3) as ps:
-                ps.pull("0.weight", torch.zeros(16, 6)).result(timeout=10)
+            with RemoteParameterServer(
+                [address],
+                worker_id=worker_id,
+                secret=key,
+                timeout=REFUSAL_WAIT,
+                connect_timeout=REFUSAL_WAIT,
+            ) as ps:
+                ps.pull("0.weight", torch.zeros(16, 6)).result(timeout=2 * REFUSAL_WAIT)
         except gradhub.GradhubError as exc:
-            return f"refused ({type(exc).__name__}: {exc})"
-        return "served"
+            error: str | None = type(exc).__name__
+            message = str(exc)
+        else:
+            error, message = None, ""
+        return {"error": error, "message": message, "seconds": time.monotonic() - begin}
 
-    return f"without the secret: {pull(1000, None)}; with it: {pull(1001, secret)}"
+    return {"without": pull(1000, None), "with": pull(1001, secret)}
 
 
 def sent_bytes(runtime: gradhub.Runtime, ifname: str) -> tuple[str | None, int | None]:
@@ -116,7 +133,8 @@ def main() -> None:
             torch.save(params, out / f"{name}.rank{runtime.rank}.pt")
             runtime.all_reduce_sum(torch.zeros(1))  # every rank done before the next one
         if args.refused_check and runtime.rank == 0:
-            (out / "refused.txt").write_text(refused(args.async_server, secret))
+            report = refused(args.async_server, secret)
+            (out / "refused.json").write_text(json.dumps(report))
         sent: dict[str, tuple[str | None, int | None]] = {}
         if args.count_bytes:
             sent["auto"] = sent_bytes(runtime, args.count_bytes)

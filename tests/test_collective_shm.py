@@ -41,10 +41,21 @@ PATHS = {"p2p": 0, "collective": 1 << 40}
 pytestmark = pytest.mark.skipif(not shm.supported(), reason="needs memfd, pidfd and futex")
 
 
-def sizes_for(world_size: int) -> list[int]:
-    # empty, 1, fewer elements than ranks, odd, and more than a segment's first
-    # capacity (400_003 fp32 = 1.6 MB > 1 MiB), so the segments grow mid-job.
-    return sorted({0, 1, max(world_size - 1, 0), 7, 1001, 400_003})
+BIG = 2_500_001
+"""Odd, 10 MB of fp32: several MB, past the 2 MiB regions the segments grew
+to for 400_003 elements, so they grow again."""
+BIG_CODECS = ["none", "bf16"]
+"""The codecs run at :data:`BIG` (the 16-bit ones share their code but for
+rounding, checked at the smaller sizes; every codec there would cost ~10 s)."""
+
+
+def cases_for(world_size: int) -> list[tuple[int, list[str]]]:
+    """(size, codecs) pairs: empty, 1, fewer elements than ranks, odd, and more
+    than a segment's first capacity (400_003 fp32 = 1.6 MB > 1 MiB), so the
+    segments grow mid-job; with 2 and 4 ranks also :data:`BIG`."""
+    sizes = sorted({0, 1, max(world_size - 1, 0), 7, 1001, 400_003})
+    big = [(BIG, BIG_CODECS)] if world_size in (2, 4) else []
+    return [(size, CODECS) for size in sizes] + big
 
 
 def rank_values(size: int, rank: int) -> torch.Tensor:
@@ -55,10 +66,10 @@ def rank_values(size: int, rank: int) -> torch.Tensor:
 def results_of(group: CollectiveGroup, rank: int, world_size: int) -> dict[str, torch.Tensor]:
     """Every (size, codec, path, in place or not) result of one group."""
     out: dict[str, torch.Tensor] = {}
-    for size in sizes_for(world_size):
+    for size, names in cases_for(world_size):
         x = rank_values(size, rank)
         start, length = partition_ranges(size, world_size)[rank]
-        for name, path in itertools.product(CODECS, PATHS):
+        for name, path in itertools.product(names, PATHS):
             small = PATHS[path]
             mine = reduce_scatter(x, group=group, compress=name, small_bytes=small)
             full = all_gather(mine, size, group=group, compress=name, small_bytes=small)
@@ -76,22 +87,30 @@ def results_of(group: CollectiveGroup, rank: int, world_size: int) -> dict[str, 
     return out
 
 
+def timed_side_by_side(group: CollectiveGroup, rank: int) -> list[tuple[float, float]]:
+    """Seconds of 20 all-reduces of 4 KB on shared memory, then 20 on gloo's own
+    all_reduce, in 5 rounds: a change in the machine's load falls on both alike.
+    4 KB: the time is the ranks handing over to each other, where a waiter
+    that spins instead of sleeping costs the most."""
+    x = rank_values(1024, rank)
+    rounds = []
+    for _ in range(5):
+        begin = time.perf_counter()
+        for _ in range(20):
+            all_reduce(x, group=group).wait()
+        middle = time.perf_counter()
+        for _ in range(20):
+            dist.all_reduce(x)
+        rounds.append((middle - begin, time.perf_counter() - middle))
+    return rounds
+
+
 def bits_job(rank: int, world_size: int, shm_port: int, ring_port: int) -> dict[str, object]:
     torch.set_num_threads(1)
     with local_group(rank, world_size, shm_port, timeout=60, transport="shm") as group:
         shared = results_of(group, rank, world_size)
         chosen = transport.chosen(group)
-        # Oversubscribed timing (only meaningful for 4 ranks on 2 cores): shared
-        # memory against gloo's own all_reduce, same vectors, same job.
-        x = rank_values(1 << 18, rank)
-        begin = time.perf_counter()
-        for _ in range(20):
-            all_reduce(x, group=group).wait()
-        shm_s = time.perf_counter() - begin
-        begin = time.perf_counter()
-        for _ in range(20):
-            dist.all_reduce(x)
-        gloo_s = time.perf_counter() - begin
+        rounds = timed_side_by_side(group, rank)
     with local_group(rank, world_size, ring_port, timeout=60, transport="ring") as group:
         ring = results_of(group, rank, world_size)
     differ = [k for k in ring if not torch.equal(ring[k], shared[k])]
@@ -101,8 +120,7 @@ def bits_job(rank: int, world_size: int, shm_port: int, ring_port: int) -> dict[
         "chosen": chosen,
         "differ": differ,
         "digest": digest.hexdigest(),
-        "shm_s": shm_s,
-        "gloo_s": gloo_s,
+        "rounds": rounds,
     }
 
 
@@ -118,11 +136,16 @@ def test_shared_memory_gives_the_rings_bits(world_size: int) -> None:
     if world_size > 1:
         assert all(r["chosen"] == "shm" for r in results)
     if world_size == 4:
-        # 4 ranks on a 2-core machine: blocking waits keep shared memory in the
-        # range of gloo's all_reduce; a spinning waiter would take 10-100x
-        # longer. The bound is loose on purpose (the machine is shared).
-        worst = max(r["shm_s"] for r in results)
-        assert worst < 10 * max(r["gloo_s"] for r in results) + 5.0, results
+        # 4 ranks on a 2-core machine (oversubscribed): shared memory against
+        # gloo's all_reduce in the same job, per round. Measured with the
+        # machine's load average at 12-16: blocking waits 0.11-0.36x gloo; an
+        # unbounded spin (SPIN = 10**12) 2.4-3.4x gloo (10-15x the blocking
+        # waits; gloo, oversubscribed itself, is the slower yardstick). 1x
+        # lies about 3x from either; the median of the 5 rounds ignores
+        # rounds that a burst of other work hit.
+        for r in results:
+            ratios = sorted(shm_s / gloo_s for shm_s, gloo_s in r["rounds"])
+            assert ratios[len(ratios) // 2] < 1.0, [r["rounds"] for r in results]
 
 
 # ------------------------------------------------------------------ failures
@@ -143,7 +166,14 @@ def killed_job(rank: int, world_size: int, port: int) -> dict[str, object]:
     x = torch.ones(100_000)
     all_reduce(x, group=group).wait()
     if rank == world_size - 1:
-        os.kill(os.getpid(), signal.SIGKILL)
+        # SIGKILLed half-way through the next all-reduce: after its
+        # reduce-scatter half, which it leaves only once every rank has entered
+        # the all-reduce, and before it publishes its slice for the all-gather
+        # half, on which the others then wait.
+        def die(*args: object, **kwargs: object) -> None:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        shm.ShmTransport.all_gather = die  # type: ignore[method-assign] (this process only)
     begin = time.monotonic()
     with pytest.raises(WorkerFailedError) as info:
         all_reduce(x, group=group).wait()
@@ -190,7 +220,7 @@ def test_killed_rank_is_named_and_nothing_is_left_behind() -> None:
     assert results[2].exitcode == -signal.SIGKILL
     for r in results[:2]:
         assert r.ok, r.error
-        assert "rank 2" in r.value["error"] and "died" in r.value["error"]
+        assert "rank 2" in r.value["error"] and "died during all_gather" in r.value["error"]
         assert r.value["elapsed"] < 15  # detected by the pidfd check, not the 20 s timeout
         assert r.value["fds"] == [], r.value
         assert not r.value["mapped"]
