@@ -12,6 +12,8 @@ import torch
 from torch import nn
 
 import gradhub
+from gradhub.collective import transport
+from train_helpers import counting_backend_all_reduce
 
 ModelMaker = Callable[[], nn.Module]
 
@@ -126,7 +128,7 @@ def own_loop(rank: int, world: int, cases: list[tuple[str, str, str, dict[str, A
                 runtime=runtime,
                 **options,
             )
-            with model:
+            with model, counting_backend_all_reduce() as backend:
                 train(
                     model,
                     opt,
@@ -141,6 +143,10 @@ def own_loop(rank: int, world: int, cases: list[tuple[str, str, str, dict[str, A
                 if strategy == "sharded" and "bucket_mb" in options:
                     suffix = "/buckets"
                 out[f"{strategy}/{kind}{suffix}"] = params(model.module)
+                # 16-bit all-reduces the backend ran (none: the group's transport ran them)
+                out[f"{strategy}/{kind}{suffix}/backend16"] = (
+                    backend[torch.float16] + backend[torch.bfloat16]
+                )
                 if strategy.startswith("ps-"):
                     out[f"{strategy}/state"] = _state_round_trip(opt)
             if strategy in ("allreduce", "sharded") and f"ddp/{kind}" not in out:
@@ -157,6 +163,7 @@ def own_loop(rank: int, world: int, cases: list[tuple[str, str, str, dict[str, A
                     no_sync=ddp.no_sync,
                 )
                 out[f"ddp/{kind}"] = params(ref)
+        out["transport"] = transport.chosen(runtime.group)
     finally:
         runtime.close()
     return out

@@ -2,10 +2,11 @@
 
 4 ranks as 2 "hosts" x 2 ranks on this machine take the hierarchical path
 (the shared memory inside a host is real; the ring between hosts runs over
-loopback), and name a rank killed in it; as 4 hosts x 1 rank they take the
-flat ring. The emulated cluster
-(test_multihost.py) runs the same paths across network namespaces, with the
-flat ring forced by GRADHUB_TRANSPORT, and counts the bytes between hosts.
+loopback), also for the ``allreduce`` strategy's bf16 buckets, and name a
+rank killed in it; as 4 hosts x 1 rank they take the flat ring. The emulated
+cluster (test_multihost.py) runs the same paths across network namespaces,
+with the flat ring forced by GRADHUB_TRANSPORT, and counts the bytes between
+hosts.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from gradhub.collective.hosts import HostLayout
 from gradhub.collective.schedule import reduction_order
 from gradhub.errors import WorkerFailedError
 from gradhub.partition import partition_ranges
+from gradhub.train import reducers
 from harness import free_port, run_ranks
+from train_helpers import counting_backend_all_reduce
 
 pytestmark = pytest.mark.skipif(not shm.supported(), reason="needs memfd, pidfd and futex")
 
@@ -139,6 +142,15 @@ def job(
                 z = x.clone()
                 all_reduce(z, group=group).wait()  # default options: small vectors too
                 out[f"{size}/all_reduce"] = z
+        # The allreduce strategy's bf16 bucket reducer on this group: the same
+        # hierarchical all-reduce (fp32 inside each host, bf16 between them),
+        # none of it through gloo's own all_reduce.
+        bucket = rank_values(SIZES[-1], rank)
+        with counting_backend_all_reduce() as backend:
+            reducers.make("bf16", collective=group).reduce(
+                bucket, shapes=[bucket.shape], bucket_index=0, step=0
+            )
+        out["bucket/bf16"] = bucket
         chosen = transport.chosen(group)
     # One rank per host: the flat ring, with the bits of one host (shared memory
     # gives the ring's bits: test_collective_shm.py).
@@ -154,6 +166,7 @@ def job(
         "flat_chosen": flat_chosen,
         "flat_bits": torch.equal(flat, flat_reference(SIZES[-1])),
         "bad": check(out, rank),
+        "bucket": torch.equal(bucket, out[f"{SIZES[-1]}/bf16/out"]) and not backend,
         "digest": digest.hexdigest(),
     }
     # Last, 2 x 2 again: rank 3 is killed (its summary saved first), the others
@@ -192,6 +205,7 @@ def test_two_hosts_of_two_ranks_sum_each_host_first_and_name_a_killed_rank(
     for r in results:
         assert r["chosen"] == "hierarchical", r
         assert r["bad"] == [], r["bad"]
+        assert r["bucket"], r  # the bf16 bucket reducer took the hierarchical path
         # 4 hosts x 1 rank: the flat ring, bit-identical to one host (one rank
         # per host is the layout the hierarchical path does not fit).
         assert r["flat_chosen"] == "ring" and r["flat_bits"], r

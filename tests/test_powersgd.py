@@ -1,8 +1,9 @@
-"""PowerSGD bucket reducer: error feedback, exact parts, same bits on every rank."""
+"""PowerSGD bucket reducer: error feedback, warm start, exact parts, same bits on every rank."""
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -11,8 +12,10 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import gradhub
+from gradhub.collective import transport
 from gradhub.powersgd import PowerSGD, orthonormalize_
 from harness import run_ranks
+from train_helpers import counting_backend_all_reduce
 
 
 def _relative_error_of_mean(
@@ -59,6 +62,36 @@ def test_error_feedback_makes_the_accumulated_update_converge(
         assert without[-1] > 2 * with_ef[-1]
 
 
+def test_warm_start_continues_the_power_iteration_from_the_last_q() -> None:
+    # A fixed 40 x 30 gradient with singular values 8, 4, 2, 1, 0.5, ... and
+    # rank 2: each step is one power iteration, so with warm start (Q of step
+    # k + 1 = Q of step k) the approximation converges to the best rank-2 one
+    # (error sqrt(2**2 + 1 + 0.5**2 + ...)); the subspace error shrinks about
+    # 2x per step (sigma_3 / sigma_2). Without it every step restarts from the
+    # same seeded Q and gives the same approximation, 16% worse than the best.
+    g = torch.Generator().manual_seed(3)
+    u, _ = torch.linalg.qr(torch.randn(40, 30, generator=g))
+    v, _ = torch.linalg.qr(torch.randn(30, 30, generator=g))
+    sigma = 8.0 * 0.5 ** torch.arange(30.0)
+    matrix = u @ torch.diag(sigma) @ v.t()
+    best = float(sigma[2:].norm())
+    shapes = [torch.Size([40, 30])]
+
+    def errors(warm_start: bool) -> list[float]:
+        ps = PowerSGD(rank=2, error_feedback=False, warm_start=warm_start)
+        out = []
+        for step in range(5):
+            b = matrix.reshape(-1).clone()
+            ps.reduce(b, shapes=shapes, bucket_index=0, step=step)
+            out.append(float((b.view(40, 30) - matrix).norm()))
+        return out
+
+    warm, cold = errors(True), errors(False)
+    assert warm[0] == cold[0] > 1.1 * best  # the same seeded start, far from the best
+    assert warm[-1] < 1.001 * best  # converged over the steps
+    assert cold == [cold[0]] * len(cold)  # restarted every step
+
+
 def test_small_tensors_trailing_elements_and_early_steps_are_exact() -> None:
     shapes = [torch.Size([16, 12]), torch.Size([12]), torch.Size([2, 2])]
     g = torch.randn(16 * 12 + 12 + 4 + 1)
@@ -101,33 +134,56 @@ def _gradient(rank: int, step: int) -> torch.Tensor:
     return torch.randn(SIZE, generator=torch.Generator().manual_seed(100 * rank + step))
 
 
-def _ranks_reduce(rank: int, world_size: int) -> list[np.ndarray]:
-    runtime = gradhub.init(timeout=30)
-    ps = PowerSGD(rank=2, start_step=1)
+def _reductions(rank: int, ps: PowerSGD, *, fixed_steps: int = 100) -> list[np.ndarray]:
     out = []
     for step in range(5):
         b = _gradient(rank, step)
         ps.reduce(b, shapes=SHAPES, bucket_index=0, step=step)
         out.append(b.numpy().copy())  # tensors do not outlive their process in a queue
+    if not fixed_steps:
+        return out
     # A fixed gradient per rank, reduced again and again (bucket 1): the running
     # mean of the results must approach the true sum (error feedback across ranks).
     fixed = _gradient(rank, 99)
     acc = torch.zeros(SIZE)
-    steps = 100
-    for step in range(steps):
+    for step in range(fixed_steps):
         b = fixed.clone()
         ps.reduce(b, shapes=SHAPES, bucket_index=1, step=step)
         acc += b
-    out.append((acc / steps).numpy())
-    runtime.close()
+    out.append((acc / fixed_steps).numpy())
     return out
+
+
+def _ranks_reduce(rank: int, world_size: int) -> dict[str, Any]:
+    """The reductions through the job's group (its transport: shared memory here),
+    the first 5 again through gloo's own all_reduce, counting what reached gloo's."""
+    with gradhub.init(timeout=30) as runtime:
+        with counting_backend_all_reduce() as on_group:
+            group = _reductions(rank, PowerSGD(rank=2, start_step=1, collective=runtime.group))
+        with counting_backend_all_reduce() as on_gloo:
+            gloo = _reductions(rank, PowerSGD(rank=2, start_step=1), fixed_steps=0)
+        return {
+            "group": group,
+            "gloo": gloo,
+            "calls": (sum(on_group.values()), sum(on_gloo.values())),
+            "transport": transport.chosen(runtime.group),
+        }
 
 
 @pytest.mark.slow
 def test_every_rank_ends_with_the_same_bits() -> None:
-    results = [
-        [torch.from_numpy(a) for a in r.value] for r in run_ranks(_ranks_reduce, 2, timeout=90)
-    ]
+    ranks = run_ranks(_ranks_reduce, 2, timeout=90)
+    for r in ranks:
+        # Through the group nothing reached gloo's all_reduce (shared memory ran
+        # them); the fallback ran 1 per full-precision step, 2 per compressed one.
+        assert r.value["transport"] == "shm"
+        assert r.value["calls"] == (0, 1 + 4 * 2)
+    results = [[torch.from_numpy(a) for a in r.value["group"]] for r in ranks]
+    # The fallback: the same bits on every rank, and those of the group (two
+    # ranks: every all-reduce is one fp32 addition, which commutes).
+    for r in ranks:
+        for step, value in enumerate(r.value["gloo"]):
+            assert torch.equal(torch.from_numpy(value), results[0][step]), f"step {step}"
     for step in range(5):
         assert torch.equal(results[0][step], results[1][step]), f"step {step}"
     total = [_gradient(0, s) + _gradient(1, s) for s in range(5)]

@@ -77,6 +77,9 @@ def test_own_loop_matches_ddp_and_single_process(sync_server: ServerHandle) -> N
         # each bucket element is rounded to 8 (bf16) or 11 (fp16) significant bits.
         _same(out["allreduce/mlp/bf16"], out["ddp/mlp"], atol=2e-2)
         _same(out["allreduce/mlp/fp16"], out["ddp/mlp"], atol=2e-3)
+        # They went through the group's shared memory, not gloo's 16-bit all_reduce.
+        assert out["transport"] == "shm"
+        assert out["allreduce/mlp/bf16/backend16"] == out["allreduce/mlp/fp16/backend16"] == 0
         # and the LR change / schedule: allreduce equals the single process too
         _same(out["allreduce/mlp"], single_process("mlp", "sgd", 2), atol=1e-5)
     torch.testing.assert_close(

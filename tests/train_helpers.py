@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections import Counter
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import gradhub
@@ -68,3 +71,22 @@ def uneven_part(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank 0 gets samples 0-4 (5 samples), rank 1 samples 5-7 (3 samples)."""
     x, y = fixed_data()
     return (x[:5], y[:5]) if rank == 0 else (x[5:], y[5:])
+
+
+@contextlib.contextmanager
+def counting_backend_all_reduce() -> Iterator[Counter[torch.dtype]]:
+    """Counts ``torch.distributed.all_reduce`` calls by dtype inside the block (in
+    one rank's process): what went to the backend's own all-reduce rather than
+    to gradhub's transport (shared memory on one host calls none)."""
+    counts: Counter[torch.dtype] = Counter()
+    real = dist.all_reduce
+
+    def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        counts[tensor.dtype] += 1
+        return real(tensor, *args, **kwargs)
+
+    dist.all_reduce = counted
+    try:
+        yield counts
+    finally:
+        dist.all_reduce = real

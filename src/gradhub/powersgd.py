@@ -22,6 +22,12 @@ Two all-reduces per bucket carrying ``(n + m) r`` numbers per matrix instead
 of ``n m``. The bucket's gradients arrive already scaled by each rank's share
 of the batch, so the sum is the average and no division is needed.
 
+The all-reduces are fp32 sums. With ``collective=`` (a
+:class:`~gradhub.collective.CollectiveGroup`; the ``allreduce`` strategy
+passes the job's) they are :func:`gradhub.collective.all_reduce` on its
+transport (shared memory on one host, the hierarchical path across hosts);
+else the backend's own ``all_reduce`` on ``group``.
+
 Every rank ends with the same bits: both all-reduces hand every rank the same
 sum, and what is computed from them (orthonormalisation, ``P Q^T``) is the
 same deterministic arithmetic on the same inputs, in a fixed order (tensors in
@@ -60,6 +66,7 @@ import torch
 import torch.distributed as dist
 
 from gradhub._config import config_or_options
+from gradhub.collective import CollectiveGroup, all_reduce
 from gradhub.errors import CollectiveTimeoutError, WorkerFailedError
 
 log = logging.getLogger(__name__)
@@ -128,10 +135,12 @@ def orthonormalize_(p: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
 
 
 class PowerSGD:
-    """Reduces flat gradient buckets with PowerSGD over ``group`` (default: the default group).
+    """Reduces flat gradient buckets with PowerSGD over ``collective`` when given,
+    else over ``group`` (default: the default group).
 
-    Without an initialised process group it runs as a world of one (the
-    compression still applies; tests and single-process references use this).
+    Without either and without an initialised process group it runs as a
+    world of one (the compression still applies; tests and single-process
+    references use this).
     """
 
     name = "powersgd"
@@ -141,10 +150,12 @@ class PowerSGD:
         config: PowerSGDConfig | None = None,
         *,
         group: dist.ProcessGroup | None = None,
+        collective: CollectiveGroup | None = None,
         **options: Any,
     ) -> None:
         self.config = config_or_options(PowerSGDConfig, config, options)
         self.group = group
+        self.collective = collective
         self._buckets: dict[int, _BucketState] = {}
         self._pending: dict[int, dict[str, Any]] = {}
         self.bytes_reduced = 0
@@ -288,12 +299,17 @@ class PowerSGD:
         state.qs = [q.clone() for q in qs]
 
     def _world_size(self) -> int:
+        if self.collective is not None:
+            return self.collective.world_size
         return dist.get_world_size(self.group) if dist.is_initialized() else 1
 
     def _all_reduce(self, tensor: torch.Tensor, operation: str) -> None:
         if self._world_size() == 1:
             return
         self.bytes_reduced += tensor.numel() * tensor.element_size()
+        if self.collective is not None:  # its errors name the ranks already
+            all_reduce(tensor, group=self.collective, timeout=self.config.timeout).wait()
+            return
         work = dist.all_reduce(tensor, group=self.group, async_op=True)
         try:
             work.wait(timeout=timedelta(seconds=self.config.timeout))

@@ -33,9 +33,34 @@ Contract:
 
 ``compress=`` of the ``allreduce`` strategy picks one by name from
 :func:`available`: ``"none"`` (a plain fp32 all-reduce), ``"fp16"`` and
-``"bf16"`` (the bucket is rounded to 16 bits, summed in 16 bits, and widened
-back: every rank receives the same 16-bit sum, hence the same bits; as DDP's
-``fp16_compress_hook``). :func:`register` adds a name (``"powersgd"``).
+``"bf16"`` (16 bits on the wire), ``"powersgd"`` (:mod:`gradhub.powersgd`).
+:func:`register` adds a name.
+
+The strategy passes the job's :class:`~gradhub.collective.CollectiveGroup`
+(``collective=``), and the built-in reducers then reduce through
+:func:`gradhub.collective.all_reduce` on its transport: shared memory when
+every rank is on one host, the hierarchical path (shared memory inside each
+host, fp32; the ring between hosts) when the ranks span hosts that each hold
+the same number of them, else the ring. Without one they call the backend's
+own ``all_reduce`` on ``group=``.
+
+What ``"fp16"`` / ``"bf16"`` mean:
+
+- through the group: 16 bits on the wire, fp32 accumulation. Each rank's
+  contribution is rounded to 16 bits (for buckets above 4 MB of wire on the
+  ring's point-to-point path, and its shared-memory twin: each hop's partial
+  sum, ``"fp16"`` divided by the number of ranks before and multiplied after),
+  the sum is taken in fp32 and rounded to 16 bits once by the rank that owns
+  the slice, and every rank decodes those 16-bit values: the same bits
+  everywhere, and values that 16 bits can hold. Across hosts the host sums
+  are fp32 and only the hop between hosts is 16-bit (see
+  :mod:`gradhub.collective.hierarchical`);
+- without it: the bucket is rounded to 16 bits and summed in 16 bits by the
+  backend (gloo adds in half precision), as DDP's ``fp16_compress_hook``
+  does; every rank receives the same 16-bit sum.
+
+``"fp16"`` does not saturate either way: a contribution or sum beyond
++-65504 arrives as inf, which a loss scaler counts as found inf.
 """
 
 from __future__ import annotations
@@ -47,6 +72,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
+from gradhub import codecs
 from gradhub.collective import CollectiveGroup, all_reduce
 
 
@@ -105,22 +131,36 @@ class AllReduce:
 
 
 class HalfAllReduce(AllReduce):
-    """``compress="fp16"`` / ``"bf16"``: the bucket travels and is summed in 16 bits.
+    """``compress="fp16"`` / ``"bf16"``: the bucket travels in 16 bits.
 
-    The sample count at the end of bucket 0 is an integer below 2**11, exact
-    in both formats. fp16 overflows above 65504: the gradients are already
-    divided by the number of ranks (scaled before the reduction), which is the
-    scaling DDP's ``fp16_compress_hook`` relies on too.
+    With ``collective=``: :func:`gradhub.collective.all_reduce` with the
+    ``"bf16"`` codec, or a non-saturating ``"fp16"`` one, summed in fp32 (see
+    the module docstring). Else the backend's ``all_reduce`` of a 16-bit copy,
+    summed in 16 bits. The sample count at the end of bucket 0 is an integer
+    below 2**11, exact in both formats. fp16 overflows above 65504: the
+    gradients are already divided by the number of ranks (scaled before the
+    reduction), which is the scaling DDP's ``fp16_compress_hook`` relies on too.
     """
 
-    def __init__(self, dtype: torch.dtype, *, group: dist.ProcessGroup | None = None) -> None:
-        super().__init__(group=group)  # gloo's all_reduce in 16 bits, never the transport
+    def __init__(
+        self,
+        dtype: torch.dtype,
+        *,
+        group: dist.ProcessGroup | None = None,
+        collective: CollectiveGroup | None = None,
+    ) -> None:
+        super().__init__(group=group, collective=collective)
         self.dtype = dtype
         self.name = "fp16" if dtype == torch.float16 else "bf16"
+        self.codec: codecs.Codec = (
+            codecs.FP16(saturate=False) if dtype == torch.float16 else codecs.BF16()
+        )
 
     def launch(
         self, bucket: torch.Tensor, *, shapes: list[torch.Size], bucket_index: int, step: int
     ) -> Any:
+        if self.collective is not None:
+            return all_reduce(bucket, group=self.collective, compress=self.codec)
         wire = bucket.to(self.dtype)
         return _Widen(dist.all_reduce(wire, group=self.group, async_op=True), wire, bucket)
 
@@ -141,6 +181,9 @@ _REGISTRY: dict[str, ReducerFactory] = {
     "bf16": lambda **kw: HalfAllReduce(torch.bfloat16, **kw),
     "powersgd": lambda **kw: _powersgd(**kw),
 }
+
+_ON_TRANSPORT = frozenset(_REGISTRY)
+"""The built-in reducers: they take ``collective=`` and reduce on its transport."""
 
 
 def register(name: str, factory: ReducerFactory) -> None:
@@ -164,9 +207,23 @@ def check_name(name: str) -> None:
         )
 
 
-def make(name: str, *, group: dist.ProcessGroup | None = None, **options: Any) -> BucketReducer:
-    """The reducer called ``name`` over ``group`` (default: the default group)."""
+def make(
+    name: str,
+    *,
+    group: dist.ProcessGroup | None = None,
+    collective: CollectiveGroup | None = None,
+    **options: Any,
+) -> BucketReducer:
+    """The reducer called ``name`` over ``group`` (default: the default group).
+
+    ``collective``: a :class:`~gradhub.collective.CollectiveGroup` of the same
+    ranks; the built-in reducers then reduce on its transport (see the module
+    docstring). Reducers added with :func:`register` are built with
+    ``group=`` and their options only.
+    """
     check_name(name)
+    if collective is not None and name in _ON_TRANSPORT:
+        options["collective"] = collective
     reducer = _REGISTRY[name](group=group, **options)
     if not isinstance(reducer, BucketReducer):
         raise TypeError(f"the factory of {name!r} returned {reducer!r}, which has no reduce()")

@@ -22,9 +22,11 @@ backward, as DDP does:
   gradients are multiplied by ``n`` and the sum divided by the summed count.
   The count rides as one extra element of bucket 0 (no extra collective).
 - ``compress=`` picks the bucket reducer (:mod:`gradhub.train.reducers`):
-  ``"none"``, ``"fp16"``, ``"bf16"``, or one registered there. A reducer with
-  ``launch`` is started from the hooks; one with only ``reduce`` runs on one
-  communication thread, buckets in order.
+  ``"none"``, ``"fp16"``, ``"bf16"`` (16 bits on the wire, summed in fp32),
+  ``"powersgd"``, or one registered there. The built-in ones reduce on the
+  job's group's transport (shared memory on one host, the hierarchical path
+  across hosts). A reducer with ``launch`` is started from the hooks; one
+  with only ``reduce`` runs on one communication thread, buckets in order.
 
 Decisions:
 - A parameter that received no gradient on a rank contributes zeros from that
@@ -35,9 +37,10 @@ Decisions:
 - Loss scaling (:class:`gradhub.GradScaler`): every bucket is waited for
   when backward ends, so ``unscale_`` reads reduced gradients, the same bits
   on every rank: the found-inf check is local and agrees by construction. An
-  overflow on the wire (``compress="fp16"`` casts to half without
-  saturating, and sums in half) arrives as inf and counts as found inf. A
-  skipped step calls the reducer's ``step_skipped()`` where it has one.
+  overflow on the wire (``compress="fp16"`` encodes in half without
+  saturating: a contribution or a sum beyond its range) arrives as inf and
+  counts as found inf. A skipped step calls the reducer's ``step_skipped()``
+  where it has one.
 """
 
 from __future__ import annotations
@@ -121,9 +124,9 @@ class AllReduceStrategy(Strategy):
     def _setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         self._broadcast_from_rank0(model)
         options = dict(self.config.compress_options)
-        if self.config.compress == "none":  # the job's group and its transport (shm on one host)
-            options.setdefault("collective", self.runtime.group)
-        self._reducer = reducers.make(self.config.compress, **options)
+        # The job's group: the built-in reducers use its transport (shm on one host).
+        collective = options.pop("collective", self.runtime.group)
+        self._reducer = reducers.make(self.config.compress, collective=collective, **options)
         if not hasattr(self._reducer, "launch"):
             self._thread = concurrent.futures.ThreadPoolExecutor(1, "gradhub-reduce")
         self._build_buckets(self.params)
