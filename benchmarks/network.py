@@ -24,7 +24,10 @@ bytes its host sent (``eth0``'s counter) per step:
   (the flat ring across all ranks), the hierarchical path's peer;
 - ``gradhub sharded bf16``: ring reduce-scatter + all-gather, bf16 wire;
 - ``gradhub ps-async``: push and pull against one server on its own host
-  (fp32, HMAC-signed).
+  (fp32, HMAC-signed);
+- ``local step (no communication)``: each rank steps its own model with no
+  gradient exchange, all ranks at once on the same cores: the compute floor,
+  so ``DDP fp32 / local step`` is the most any compression can gain here.
 
 Reports the transport each gradhub contender took, the median step time,
 the min-max of the round medians, the MB host 0 sent per step and the ratio
@@ -58,6 +61,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
 PEER = "DDP fp32"
+LOCAL = "local step (no communication)"
 CONTENDERS = [
     PEER,
     "DDP + PowerSGD hook",
@@ -67,19 +71,21 @@ CONTENDERS = [
     "gradhub allreduce powersgd",
     "gradhub sharded bf16",
     "gradhub ps-async",
+    LOCAL,
 ]
 ON_TRANSPORT = (
     "gradhub allreduce fp32",
     "gradhub allreduce fp32 flat ring",
+    "gradhub allreduce bf16",
+    "gradhub allreduce powersgd",
     "gradhub sharded bf16",
 )
 """The contenders whose collectives take the group's transport (reported per run)."""
 OTHER_PATHS = {
     PEER: "gloo all_reduce",
     "DDP + PowerSGD hook": "gloo all_reduce",
-    "gradhub allreduce bf16": "gloo all_reduce",
-    "gradhub allreduce powersgd": "gloo all_reduce",
     "gradhub ps-async": "ZeroMQ",
+    LOCAL: "-",
 }
 POWERSGD_RANK = 4
 MODELS = ("mlp", "transformer")
@@ -154,6 +160,16 @@ def contenders(
     steps: dict[str, Callable[[], None]] = {}
     closers: list[Any] = []
 
+    def plain_step(model: nn.Module) -> Callable[[], None]:
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+        def step() -> None:
+            opt.zero_grad(set_to_none=True)
+            loss_of(model, x, y).backward()
+            opt.step()
+
+        return step
+
     def ddp(hook: bool) -> Callable[[], None]:
         # torch's PowerSGD hook mismatches gloo collectives when several
         # buckets are in flight (its P and Q all-reduces are issued from
@@ -165,19 +181,14 @@ def contenders(
                 process_group=None, matrix_approximation_rank=POWERSGD_RANK, start_powerSGD_iter=2
             )
             model.register_comm_hook(state, psgd.powerSGD_hook)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-
-        def step() -> None:
-            opt.zero_grad(set_to_none=True)
-            loss_of(model, x, y).backward()
-            opt.step()
-
-        return step
+        return plain_step(model)
 
     if PEER in only:
         steps[PEER] = ddp(False)
     if "DDP + PowerSGD hook" in only:
         steps["DDP + PowerSGD hook"] = ddp(True)
+    if LOCAL in only:
+        steps[LOCAL] = plain_step(make_model(name))
     options: dict[str, dict[str, Any]] = {
         "gradhub allreduce fp32": {},
         "gradhub allreduce fp32 flat ring": {},
