@@ -446,8 +446,9 @@ def main() -> None:
         "steps_per_round": args.steps,
         "mlp_samples_per_rank": args.batch,
         "transformer_sequences_per_rank": args.seqs,
-        "note": "emulated hosts (network namespaces, tbf) on one 2-core machine that other "
-        "work was loading; ranks of both hosts share its cores",
+        "note": "emulated hosts (network namespaces, tbf) on one machine: the ranks of every "
+        "host share its cores",
+        "load_average_at_start": os.getloadavg()[0],
     }
     table = markdown(rows)
     write_results(args.out, "network", {"meta": meta, "rows": rows}, table + "\n")
