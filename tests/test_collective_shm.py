@@ -306,6 +306,20 @@ def test_two_groups_used_concurrently() -> None:
     run_ranks(two_groups_job, 2, free_port(), timeout=120)
 
 
+def init_transport_job(rank: int, world_size: int) -> tuple[str | None, float]:
+    import gradhub
+
+    with gradhub.init(timeout=60, transport="ring") as runtime:  # on one host: shm otherwise
+        x = torch.full((1001,), float(rank + 1))
+        all_reduce(x, group=runtime.group).wait()
+        return transport.chosen(runtime.group), float(x[0])
+
+
+def test_init_takes_a_transport_for_the_whole_job() -> None:
+    results = run_ranks(init_transport_job, 2, timeout=120)
+    assert [r.value for r in results] == [("ring", 3.0), ("ring", 3.0)]
+
+
 # ----------------------------------------------------------------- hosts
 # Ranks on several hosts: test_collective_hierarchical.py.
 

@@ -43,6 +43,12 @@ def test_a_plain_process_is_a_job_of_one_with_the_default_timeout() -> None:
         gradhub.init(timeout=0)
 
 
+def test_an_unknown_transport_is_refused_before_anything_is_set_up() -> None:
+    with pytest.raises(ValueError, match="transport= must be one of auto, shm, hierarchical"):
+        gradhub.init(transport="carrier-pigeon")
+    assert not dist.is_initialized()
+
+
 def test_a_group_the_user_made_keeps_its_own_timeout() -> None:
     dist.init_process_group(
         "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=8)

@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from gradhub.collective.group import CollectiveGroup, default_store
+from gradhub.collective.transport import requested as requested_transport
 from gradhub.errors import ClosedError, LaunchEnvironmentError, RendezvousError
 
 log = logging.getLogger(__name__)
@@ -162,6 +163,7 @@ def init_process_group_from_env(
     backend: str | None = None,
     timeout: float | None = None,
     env: Mapping[str, str] | None = None,
+    transport: str | None = None,
 ) -> CollectiveGroup:
     """Set up the default process group from the launcher's environment.
 
@@ -171,11 +173,16 @@ def init_process_group_from_env(
     ``timeout`` (seconds, default :data:`DEFAULT_TIMEOUT`) bounds set-up and
     every operation. If the default group already exists it is wrapped (with
     its own timeout unless ``timeout`` is given), so calling this twice is
-    harmless. The caller owns the returned group: close it (or ``with``).
+    harmless. ``transport``: how the group's reduce-scatter and all-gather
+    travel (see :mod:`gradhub.collective.transport`; default:
+    ``GRADHUB_TRANSPORT``, else chosen from where the ranks are). The caller
+    owns the returned group: close it (or ``with``).
     """
     _check_timeout(timeout)
+    if transport is not None:
+        requested_transport(transport)  # a wrong name fails before anything is set up
     if dist.is_initialized():
-        return CollectiveGroup.of(None, timeout=timeout)
+        return CollectiveGroup.of(None, timeout=timeout, transport=transport)
     environ = os.environ if env is None else env
     rank, world_size, local_rank = _launch_env(environ)
     backend = pick_backend(backend)
@@ -196,7 +203,7 @@ def init_process_group_from_env(
     else:
         host, port = environ["MASTER_ADDR"], int(environ["MASTER_PORT"])
         store = _tcp_store(host, port, world_size, rank, limit)
-    return _start(store, rank, world_size, backend, limit, local_rank)
+    return _start(store, rank, world_size, backend, limit, local_rank, transport)
 
 
 def local_group(
@@ -322,28 +329,36 @@ class Runtime:
         self.close()
 
 
-def init(*, backend: str | None = None, timeout: float | None = None) -> Runtime:
+def init(
+    *, backend: str | None = None, timeout: float | None = None, transport: str | None = None
+) -> Runtime:
     """Join the job: read torchrun's environment and set up the process group.
 
     ``backend`` defaults to NCCL when CUDA is available and gloo otherwise.
     ``timeout`` bounds every collective of the job (seconds; default
     :data:`DEFAULT_TIMEOUT`, or the timeout of a process group the user set
     up already); a rank that stops answering makes the others fail within it
-    instead of hanging.
+    instead of hanging. ``transport`` picks how gradients travel between the
+    ranks (``"shm"``, ``"hierarchical"``, ``"ring"``, ``"gloo"``; see
+    :mod:`gradhub.collective.transport`); by default ``GRADHUB_TRANSPORT``,
+    else shared memory on one host and the hierarchical path or the ring
+    across hosts. Every strategy of the job uses it.
     """
     _check_timeout(timeout)
+    if transport is not None:
+        requested_transport(transport)  # a wrong name fails before anything is set up
     backend = pick_backend(backend)
     launched = "RANK" in os.environ or "WORLD_SIZE" in os.environ
     if dist.is_initialized():
-        group = CollectiveGroup.of(None, timeout=timeout)
+        group = CollectiveGroup.of(None, timeout=timeout, transport=transport)
         local_rank = _env_int(os.environ, "LOCAL_RANK", group.rank)
     elif launched:
         local_rank = _launch_env(os.environ)[2]
-        group = init_process_group_from_env(backend=backend, timeout=timeout)
+        group = init_process_group_from_env(backend=backend, timeout=timeout, transport=transport)
     else:
         local_rank = 0
         limit = DEFAULT_TIMEOUT if timeout is None else float(timeout)
-        group = _start(dist.HashStore(), 0, 1, backend, limit, 0)
+        group = _start(dist.HashStore(), 0, 1, backend, limit, 0, transport)
     if group.backend == "nccl":
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)

@@ -181,13 +181,14 @@ class CollectiveGroup:
         group: CollectiveGroup | dist.ProcessGroup | None = None,
         *,
         timeout: float | None = None,
+        transport: str | None = None,
     ) -> CollectiveGroup:
         """``group`` itself when it is a :class:`CollectiveGroup`, else a new
         wrapper of the torch process group ``group`` (default: the default one).
 
         The caller owns a new wrapper and closes it (see :meth:`borrow`).
-        ``timeout`` only applies to a new wrapper; it defaults to the process
-        group's own timeout.
+        ``timeout`` and ``transport`` only apply to a new wrapper; the timeout
+        defaults to the process group's own.
         """
         if isinstance(group, CollectiveGroup):
             return group
@@ -200,7 +201,7 @@ class CollectiveGroup:
         assert pg is not None
         store = default_store() if pg is dist.group.WORLD else None
         limit = process_group_timeout(pg) if timeout is None else float(timeout)
-        return cls(pg, store=store, timeout=limit)
+        return cls(pg, store=store, timeout=limit, transport=transport)
 
     def sibling(self) -> CollectiveGroup:
         """Another wrapper of the same process group, with its own operation
