@@ -317,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         "--no-concurrent", action="store_true", help="skip the concurrent pushers' table"
     )
     args = parser.parse_args(argv)
+    load = os.getloadavg()[0]  # before this run loads the machine
     torch.set_num_threads(1)
 
     Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -390,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         "systems": names,
         "rounds": args.rounds,
         "note": "one client and one server process on this machine; synchronous ops; "
-        "the machine was shared with other jobs (loaded)",
+        f"load average {load:.1f} when the run started",
     }
     goals = _goals(per_round)
     md = _markdown(rows, meta) + "\n" + _goals_markdown(goals)

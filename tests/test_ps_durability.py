@@ -237,24 +237,64 @@ def test_sync_worker_dropped_mid_round_keeps_its_acknowledged_pushes(run: int) -
     assert out.item() == 2 * ROUNDS + acked[2][0], (dies_at, acked)
 
 
-def test_write_ahead_log_round_trip_empty_frames_and_torn_tail(tmp_path: Path) -> None:
+def reopened(path: Path) -> tuple[list[list[bytes]], int]:
+    """The records and the end of the log at ``path``, as a restarted server reads them."""
     from gradhub.ps.wal import WriteAheadLog
 
+    log = WriteAheadLog(path)
+    try:
+        return list(log.records()), log.size
+    finally:
+        log.close()
+
+
+def test_write_ahead_log_round_trip_empty_frames_and_torn_tail(tmp_path: Path) -> None:
+    from gradhub.ps.wal import PREALLOCATE, WriteAheadLog
+
+    path = tmp_path / "a.wal"
     records = [[b"head", b"", b"", b"payload" * 100], [b"h2", b"", b"", b""], [b"x" * 70_000]]
-    log = WriteAheadLog(tmp_path / "a.wal")
+    log = WriteAheadLog(path)
     for r in records[:2]:
         log.append(r)
-    log.commit()  # one fsync for both (group commit)
+    log.commit()  # one sync for both (group commit)
     log.append(records[2])
     log.commit()
     assert log.commits == 2
     log.close()
-    whole = (tmp_path / "a.wal").stat().st_size
-    with open(tmp_path / "a.wal", "ab") as f:
-        f.write(b"\x10\x00\x00\x00torn")  # a record cut short by a crash
-    again = WriteAheadLog(tmp_path / "a.wal")
-    assert [list(r) for r in again.records()] == records
-    assert (tmp_path / "a.wal").stat().st_size == whole  # the torn tail was cut off
-    again.reset()
-    assert list(again.records()) == []
-    again.close()
+    found, end = reopened(path)
+    assert found == records
+    assert path.stat().st_size >= end + PREALLOCATE // 2  # zeros written ahead
+
+    # A crash during a write leaves a torn record where the log ends, its
+    # blocks on disk in any order: its header, or only a later block of it.
+    for torn in (b"\x10\x00\x00\x00torn", bytes(8) + b"a later block"):
+        with open(path, "r+b") as f:
+            f.seek(end)
+            f.write(torn)
+        assert reopened(path) == (records, end)
+        tail = path.read_bytes()[end:]
+        assert tail.count(0) == len(tail) >= PREALLOCATE // 2  # cut off, zeros again
+        log = WriteAheadLog(path)
+        log.append([b"after"])
+        log.commit()
+        log.close()
+        records.append([b"after"])
+        found, end = reopened(path)
+        assert found == records
+
+    # A record larger than the zeros ahead grows the file (and writes zeros past it).
+    log = WriteAheadLog(path)
+    log.append([b"y" * (PREALLOCATE + 1)])
+    log.commit()
+    log.close()
+    found, end = reopened(path)
+    assert found == [*records, [b"y" * (PREALLOCATE + 1)]]
+    assert path.stat().st_size >= end + PREALLOCATE // 2
+
+    log = WriteAheadLog(path)
+    log.reset()
+    assert log.size == 0
+    log.append([b"one"])
+    log.commit()
+    log.close()
+    assert reopened(path)[0] == [[b"one"]]
