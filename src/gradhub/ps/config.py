@@ -130,7 +130,7 @@ class ServerConfig:
 
     durable: bool = False
     """Acknowledge an init or push only once it is on disk: a write-ahead log in the
-    checkpoint directory, fsync'd once per batch of requests (group commit) before
+    checkpoint directory, synced once per batch of requests (group commit) before
     their acknowledgements. Needs checkpoint_dir.
 
     Without it, an acknowledged push reaches disk with the next checkpoint, and

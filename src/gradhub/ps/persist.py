@@ -76,7 +76,7 @@ class Persistence:
         self.wal.append(protocol.encode(header, msg.key, msg.tensor(), meta=msg.meta))
 
     def commit(self) -> bool:
-        """Make everything logged so far durable (one ``fsync``); whether it synced."""
+        """Make everything logged so far durable (one sync); whether it synced."""
         if self.wal is None or not self.wal.pending:
             return False
         self.wal.commit()
