@@ -62,11 +62,12 @@ class WriteAheadLog:
             data = f.read()
         self._recovered, self.size = _parse(data)
         """Records found at start (handed out once by :meth:`records`); the log's end."""
+        self._allocated = len(data)
         if data.count(0, self.size) != len(data) - self.size:
             log.warning("write-ahead log %s: torn record at byte %d cut off", self.path, self.size)
             os.ftruncate(self._fd, self.size)
-            data = data[: self.size]
-        self._allocated = len(data)
+            self._allocated = self.size
+        del data
         if self._allocated < self.size + PREALLOCATE // 2:
             self._zeros(self.size + PREALLOCATE)
             os.fsync(self._fd)
