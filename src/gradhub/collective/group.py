@@ -390,11 +390,12 @@ class CollectiveGroup:
         try:
             self.store.set(f"checkin/{self.rank}", str(sequence))
         except RuntimeError as exc:  # c10d's DistNetworkError: the store's host is gone
-            self._broken = f"{store_name(self._base_store)} is unreachable"
-            cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            where, text = store_name(self._base_store), str(exc).strip()
+            self._broken = f"{where} is unreachable"
+            cause = text.splitlines()[0] if text else type(exc).__name__
             raise self._log(
                 WorkerFailedError(
-                    f"[rank {self.rank}] cannot check in to {store_name(self._base_store)} "
+                    f"[rank {self.rank}] cannot check in to {where} "
                     f"({cause}): the process that hosts it (rank 0 of a launched job) "
                     "died or left\n- help: check that process's log; restart the job "
                     "(it resumes from the last checkpoint)"
