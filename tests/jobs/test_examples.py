@@ -14,7 +14,7 @@ from gradhub.ps.config import ServerConfig
 from gradhub.ps.launch import start_server
 from harness import run_ranks
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 STRATEGIES = ["allreduce", "sharded", "ps-async", "ps-sync", "ps-ssp"]
 
 

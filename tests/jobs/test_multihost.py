@@ -22,7 +22,7 @@ import torch
 
 from cluster import Cluster
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 GRADHUB = str(Path(sys.executable).with_name("gradhub"))
 JOB = str(Path(__file__).with_name("multihost_job.py"))
 

@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+_TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [_TESTS, os.path.join(_TESTS, "train")]
 
 import gradhub
 from gradhub.collective import all_reduce, transport
