@@ -30,8 +30,10 @@ from typing import Any
 
 import torch
 
-_TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [_TESTS, os.path.join(_TESTS, "train")]
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train")
+)
 
 import gradhub
 from gradhub.collective import all_reduce, transport
