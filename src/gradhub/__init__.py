@@ -3,6 +3,7 @@
 Public API only; everything else lives in subpackages.
 """
 
+from gradhub import backend as _backend
 from gradhub import codecs, partition, trees
 from gradhub._version import __version__
 from gradhub.collective import AllReduceParameter, ShardedOptimizer
@@ -39,6 +40,9 @@ from gradhub.train.grad_scaler import GradScaler
 from gradhub.train.prepare import check_in_sync, clip_grad_norm_, prepare
 from gradhub.train.trainer import DataParallelTrainer, FitConfig, FitResult
 from gradhub.train.wrapped_model import PreparedModel
+
+# ``dist.init_process_group("gradhub")`` works once gradhub is imported.
+_backend.register()
 
 __all__ = [
     "AllReduceParameter",

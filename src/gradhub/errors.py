@@ -168,3 +168,9 @@ class RendezvousError(GradhubTimeoutError):
 
 class LaunchEnvironmentError(GradhubError, ValueError):
     """The launcher's environment (``RANK``, ``WORLD_SIZE``, ...) is incomplete or invalid."""
+
+
+class UnsupportedTensorError(GradhubError, ValueError):
+    """The ``"gradhub"`` torch.distributed backend was given something it does not
+    take (a CUDA tensor, a reduction the tensor's dtype has no meaning for); the
+    message says what to use instead."""

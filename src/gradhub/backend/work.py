@@ -1,0 +1,121 @@
+"""The ``Work`` an operation of the gradhub backend returns at once.
+
+An operation runs later, on its group's worker thread (or, for point-to-point
+messages, on gloo's); :class:`GradhubWork` is its handle:
+
+- ``wait(timeout)`` blocks until it finished, at most ``timeout`` (a
+  ``timedelta``; zero or none: as long as the operation itself may take, which
+  its group's timeout bounds), and raises the operation's error: a
+  :class:`~gradhub.errors.WorkerFailedError` or
+  :class:`~gradhub.errors.CollectiveTimeoutError` naming the rank.
+- ``get_future()`` is a ``torch.futures.Future`` that resolves to the list of
+  output tensors (DDP's reducer reads the bucket from it and never calls
+  ``wait()``).
+
+Decision (checked on torch 2.13): failing a future with ``set_exception``
+makes DDP's backward crash the process (SIGSEGV), whereas an exception raised
+inside a ``.then()`` callback reaches DDP as a ``RuntimeError`` with the
+message kept. So the worker always completes a private future with an
+outcome, and the future handed out is that future's ``.then()`` of a callback
+that returns the outputs or raises the error.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+import torch
+import torch.distributed as dist
+
+from gradhub.errors import CollectiveTimeoutError
+
+WAIT_GRACE = 10.0
+"""Seconds a ``wait()`` without its own timeout allows beyond the operation's
+deadline before it gives up on the worker thread itself."""
+
+
+@dataclass
+class _Outcome:
+    outputs: list[torch.Tensor]
+    error: BaseException | None
+
+
+def _unwrap(fut: torch.futures.Future[_Outcome]) -> list[torch.Tensor]:
+    outcome = fut.value()
+    if outcome.error is not None:
+        raise outcome.error
+    return outcome.outputs
+
+
+class GradhubWork(dist._Work):  # type: ignore[misc]
+    """One operation of a gradhub process group; see the module docstring."""
+
+    def __init__(self, name: str, rank: int, timeout: float, outputs: list[torch.Tensor]):
+        super().__init__()
+        self.name = name
+        self._rank = rank
+        self._timeout = timeout
+        self._outputs = outputs
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._started: float | None = None
+        self._raw: torch.futures.Future[_Outcome] = torch.futures.Future()
+        self._future = self._raw.then(_unwrap)
+        self.source_rank_: int = -1
+
+    # ------------------------------------------------------- worker side
+    def _start(self) -> None:
+        self._started = time.monotonic()
+
+    def _finish(self, error: BaseException | None = None) -> None:
+        """Record the outcome and resolve the future (callbacks run here)."""
+        self._error = error
+        self._done.set()
+        self._raw.set_result(_Outcome(self._outputs, error))
+
+    # -------------------------------------------------------- caller side
+    def wait(self, timeout: timedelta | float | None = None) -> bool:
+        limit = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+        begin = time.monotonic()
+        while not self._done.wait(0.2):
+            now = time.monotonic()
+            if limit is not None and limit > 0 and now - begin >= limit:
+                raise CollectiveTimeoutError(
+                    f"[rank {self._rank}] {self.name}", [], limit, "the caller's wait ran out"
+                )
+            started = self._started
+            if started is not None and now - started > self._timeout + WAIT_GRACE:
+                raise CollectiveTimeoutError(
+                    f"[rank {self._rank}] {self.name}",
+                    [],
+                    self._timeout,
+                    "the operation did not return past its own deadline",
+                )
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        return self._done.is_set() and self._error is None
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def result(self) -> list[torch.Tensor]:
+        self.wait()
+        return self._outputs
+
+    def source_rank(self) -> int:
+        return self.source_rank_
+
+    def __repr__(self) -> str:
+        state = "done" if self._done.is_set() else "pending"
+        return f"GradhubWork({self.name!r}, {state})"
