@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test check install bench bench-net clean
+.PHONY: demo test check install bench bench-net clean test-torch-dist
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,16 @@ check: $(STAMP)
 
 test: check
 	$(BIN)/python -m pytest -W error --durations=15
+
+# torch's own distributed suite (DistributedTest._DistTestBase) on gloo and on
+# the gradhub backend, 2 ranks; long (hundreds of spawned cases). Counts in build/.
+test-torch-dist: $(STAMP)
+	mkdir -p build
+	for b in gloo gradhub; do \
+		BACKEND=$$b WORLD_SIZE=2 TEMP_DIR=$$(mktemp -d) $(BIN)/python -m pytest -q -rs \
+			-p no:warnings -p no:cacheprovider --timeout 600 tests/backend/torch_dist_suite.py \
+			--junitxml=build/torch-dist-$$b.xml | tail -3; \
+	done
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/coordinator.py

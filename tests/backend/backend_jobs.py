@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import gradhub  # noqa: F401  (registers the backend)
+import gradhub
 
 R = dist.ReduceOp
 
@@ -115,7 +115,9 @@ def operations_match_gloo(rank: int, world_size: int) -> dict[str, Any]:
         out = torch.empty_like(inp)
         dist.all_to_all_single(out, inp, group=g)
         outs = [torch.empty(3) for _ in range(world_size)]
-        dist.all_to_all(outs, [_data(rank + i, torch.float32, 3) for i in range(world_size)], group=g)
+        dist.all_to_all(
+            outs, [_data(rank + i, torch.float32, 3) for i in range(world_size)], group=g
+        )
         return [out, *outs]
 
     same("all_to_all", a2a)
@@ -126,7 +128,12 @@ def operations_match_gloo(rank: int, world_size: int) -> dict[str, Any]:
         gathered = [torch.zeros(8) for _ in range(world_size)] if rank == 0 else None
         dist.gather(_data(rank, torch.float32, 8), gathered, dst=0, group=g)
         s = torch.zeros(5)
-        dist.scatter(s, [_data(i, torch.float32, 5) for i in range(world_size)] if rank == 0 else None, src=0, group=g)
+        dist.scatter(
+            s,
+            [_data(i, torch.float32, 5) for i in range(world_size)] if rank == 0 else None,
+            src=0,
+            group=g,
+        )
         return [t if rank == 0 else torch.zeros(0), *(gathered or []), s]
 
     same("reduce gather scatter", rooted)
@@ -147,7 +154,9 @@ def operations_match_gloo(rank: int, world_size: int) -> dict[str, Any]:
     prev = (rank - 1) % world_size
     t = torch.full((5,), float(rank))
     got = torch.empty(5)
-    reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, peer), dist.P2POp(dist.irecv, got, prev)])
+    reqs = dist.batch_isend_irecv(
+        [dist.P2POp(dist.isend, t, peer), dist.P2POp(dist.irecv, got, prev)]
+    )
     for q in reqs:
         q.wait()
     assert torch.equal(got, torch.full((5,), float(prev)))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from backend_jobs import operations_match_gloo
+
 from harness import run_ranks
 
 

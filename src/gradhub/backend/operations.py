@@ -40,7 +40,7 @@ import torch.distributed as dist
 from gradhub.collective import CollectiveGroup, all_gather, all_reduce, reduce_scatter
 from gradhub.errors import UnsupportedTensorError
 
-RedOp = dist.ReduceOp.RedOpType
+RedOp: Any = dist.ReduceOp.RedOpType
 _TRANSPORT_OPS = (RedOp.SUM, RedOp.AVG, RedOp.PREMUL_SUM)
 
 

@@ -54,7 +54,9 @@ def create(options: Any, backend_options: Any = None) -> GradhubProcessGroup:
     name = str(options.group_id)
     global_ranks = [int(r) for r in options.global_ranks_in_group]
     try:
-        collectives = _inner_group(f"{name}/gradhub-collectives", store, rank, size, timeout, global_ranks)
+        collectives = _inner_group(
+            f"{name}/gradhub-collectives", store, rank, size, timeout, global_ranks
+        )
         p2p = _inner_group(f"{name}/gradhub-p2p", store, rank, size, timeout, global_ranks)
     except RuntimeError as exc:  # a peer that never came (DistError)
         raise RendezvousError(
@@ -62,9 +64,7 @@ def create(options: Any, backend_options: Any = None) -> GradhubProcessGroup:
             f"its gloo groups within {timeout.total_seconds():g}s: {str(exc).strip()}\n"
             "- help: every rank of the group must create it within the timeout"
         ) from exc
-    return GradhubProcessGroup(
-        store, rank, size, timeout=timeout, collectives=collectives, p2p=p2p
-    )
+    return GradhubProcessGroup(store, rank, size, timeout=timeout, collectives=collectives, p2p=p2p)
 
 
 def _inner_group(
@@ -77,14 +77,8 @@ def _inner_group(
 ) -> dist.ProcessGroup:
     """A gloo group of the same ranks, registered with torch under ``name``."""
     pg, _ = c10d._new_process_group_helper(
-        size, rank, global_ranks, "gloo", store, group_name=name, timeout=timeout
+        size, rank, global_ranks, "gloo", store, group_name=c10d.GroupName(name), timeout=timeout
     )
     ranks = global_ranks if global_ranks else list(range(size))
     c10d._world.pg_group_ranks[pg] = {g: i for i, g in enumerate(ranks)}
     return pg  # type: ignore[no-any-return]
-
-
-def destroy_inner(pg: dist.ProcessGroup) -> None:
-    """Destroy an inner group if torch still holds it (it may be mid-teardown)."""
-    if pg in c10d._world.pg_map:
-        dist.destroy_process_group(pg)

@@ -26,6 +26,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 
@@ -49,7 +50,7 @@ def _unwrap(fut: torch.futures.Future[_Outcome]) -> list[torch.Tensor]:
     return outcome.outputs
 
 
-class GradhubWork(dist._Work):  # type: ignore[misc]
+class GradhubWork(dist._Work):
     """One operation of a gradhub process group; see the module docstring."""
 
     def __init__(self, name: str, rank: int, timeout: float, outputs: list[torch.Tensor]):

@@ -1,0 +1,39 @@
+"""A selection of torch's own distributed suite on the gradhub backend.
+
+The full list (gloo and gradhub side by side) is ``make test-torch-dist``
+(:mod:`torch_dist_suite`); these cases cover each kind of operation and DDP,
+inside the normal suite's time budget.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SELECTION = [
+    "test_all_reduce_sum",
+    "test_all_gather_coalesced_simple",
+    "test_all_to_all_single_unequal_split",
+    "test_broadcast_object_list",
+    "test_send_recv_with_tag",
+    "test_ddp_hook_parity_allreduce",
+]
+
+
+@pytest.mark.slow
+def test_torch_distributed_suite_selection(tmp_path: Path) -> None:
+    suite = Path(__file__).with_name("torch_dist_suite.py")
+    env = {**os.environ, "BACKEND": "gradhub", "WORLD_SIZE": "2", "TEMP_DIR": str(tmp_path)}
+    case = f"{suite}::TestDistBackendWithSpawnGRADHUB::"
+    command = [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:warnings"]
+    command += ["-p", "no:cacheprovider", *(case + name for name in SELECTION)]
+    proc = subprocess.run(
+        command, env=env, capture_output=True, text=True, timeout=280, check=False
+    )
+    done = [line for line in proc.stdout.splitlines() if line.startswith("PASSED")]
+    passed = {n for n in SELECTION if any(line.endswith(f"::{n}") for line in done)}
+    assert passed == set(SELECTION), proc.stdout[-4000:] + proc.stderr[-2000:]
