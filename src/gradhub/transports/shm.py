@@ -74,7 +74,7 @@ from gradhub._shm.memory import (
     recv_exact,
     supported,
 )
-from gradhub.errors import CollectiveTimeoutError, WorkerFailedError
+from gradhub.errors import ClosedError, CollectiveTimeoutError, WorkerFailedError
 from gradhub.transports.group import CollectiveGroup, Operation
 from gradhub.transports.schedule import add_in_order, reduction_order
 
@@ -153,7 +153,11 @@ class ShmTransport:
                             missing = [self.ranks[i] for i in range(self.size) if i not in pids]
                             raise self._setup_timeout(op, missing) from None
                         conn.settimeout(max(op.remaining(), 0.001))
-                        rank, pid = _HELLO.unpack(recv_exact(conn, _HELLO.size))
+                        try:
+                            rank, pid = _HELLO.unpack(recv_exact(conn, _HELLO.size))
+                        except OSError as exc:  # the peer left during its hello
+                            conn.close()
+                            raise self.group.failure(op, None, exc) from exc
                         creds = conn.getsockopt(
                             socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")
                         )
@@ -168,8 +172,11 @@ class ShmTransport:
                         self._peers[index], pids[index] = conn, pid
                     self._pids = [pids[i] for i in range(self.size)]
                     table = struct.pack(f"<{self.size}q", *self._pids)
-                    for conn in self._peers.values():
-                        socket.send_fds(conn, [table], [fd])
+                    for i, conn in self._peers.items():
+                        try:
+                            socket.send_fds(conn, [table], [fd])
+                        except OSError as exc:
+                            raise self.group.failure(op, self.ranks[i], exc) from exc
                     self._control = Mapping(os.dup(fd), control_bytes)
                 finally:
                     os.close(fd)
@@ -183,12 +190,14 @@ class ShmTransport:
             conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
             self._peers[0] = conn
             conn.settimeout(max(op.remaining(), 0.001))
-            conn.connect(address)
-            conn.sendall(_HELLO.pack(self.group.rank, os.getpid()))
             try:
+                conn.connect(address)
+                conn.sendall(_HELLO.pack(self.group.rank, os.getpid()))
                 table, fds, _, _ = socket.recv_fds(conn, 8 * self.size, 1)
             except TimeoutError:
                 raise self._setup_timeout(op, [leader]) from None
+            except OSError as exc:  # the leader's socket is gone: the roll call says why
+                raise self.group.failure(op, leader, exc) from exc
             if len(fds) != 1 or len(table) != 8 * self.size:
                 for fd in fds:
                     os.close(fd)
@@ -300,7 +309,9 @@ class ShmTransport:
         """Number the operation, grow the data segment if needed, and return
         the regions of this operation's set as ``numel``-element views."""
         if self._closed:
-            raise RuntimeError("shared-memory transport is closed")
+            raise ClosedError(
+                f"[rank {self.group.rank}] {op.name}: this shared-memory transport is closed"
+            )
         self._sequence += 1
         k = self._sequence
         itemsize = torch.empty((), dtype=dtype).element_size()
