@@ -16,12 +16,6 @@ def test_low_level_failures_are_raised_as_gradhub_errors_naming_the_cause() -> N
         kind, text = values["bucket"]
         assert kind == "CollectiveTimeoutError", text
         assert "all_reduce at step 0 of strategy 'allreduce' timed out after 0.3s" in text
-        kind, text = values["closed"]
-        assert kind == "ClosedError", text
-        assert "solo all_reduce: this shared-memory transport is closed" in text
-    kind, text = second["connect"]
-    assert kind == "WorkerFailedError", text
-    assert "rank(s) 0 died or stopped answering during shared-memory set-up" in text
     kind, text = second["checkpoint"]
     assert kind == "CollectiveTimeoutError", text
     assert (

@@ -1,6 +1,7 @@
-"""One 2-rank job that provokes the low-level failures gradhub translates (run by
-test_train_translated_errors.py): each is caught where it happens and raised as
-the errors.py class that names the cause."""
+"""One 2-rank job that provokes the low-level failures of training gradhub translates
+(run by test_train_translated_errors.py): each is caught where it happens and raised
+as the errors.py class that names the cause. (The shared-memory transport's are
+tested with it, in tests/collective/.)"""
 
 from __future__ import annotations
 
@@ -10,14 +11,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch
-
 import gradhub
-from gradhub import codecs
 from gradhub.train.checkpoint import CheckpointDir
 from gradhub.train.fit import agreed_checkpoint
 from gradhub.train.strategies.allreduce import _FutureWork
-from gradhub.transports.shm import ShmTransport
 
 
 def _caught(fn: Any) -> tuple[str, str] | None:
@@ -40,26 +37,9 @@ def translated_errors_job(rank: int, world_size: int) -> dict[str, Any]:
     out["bucket_work"] = _FutureWork(never).wait(timedelta(seconds=0.01))  # False: c10d's way
     out["bucket"] = _caught(lambda: bucket.wait(op, _FutureWork(never), None))
 
-    # shared memory: a transport used after close.
-    solo = rt.group.sibling()
-    op = solo.begin("solo all_reduce", timeout=10)
-    shm = ShmTransport(solo, [rank], op, f"solo/{rank}")
-    shm.close()
-    x = torch.zeros(4)
-    out["closed"] = _caught(
-        lambda: shm.reduce_scatter(op, x, codecs.get("none"), [[(0, 4)]], x, hop=False)
-    )
-
     if rank == 0:  # takes part in nothing below; stays up (it hosts the store)
         store.wait(["test/done"], timedelta(seconds=60))
         return out
-
-    # shared memory: the leader's socket is gone (connect refused), the leader silent.
-    lost = rt.group.sibling()
-    assert lost.store is not None
-    lost.store.set("lost/socket", "gradhub-shm-no-such-socket")
-    op = lost.begin("shared-memory set-up", timeout=1.0)
-    out["connect"] = _caught(lambda: ShmTransport(lost, [0, 1], op, "lost"))
 
     # fit: the checkpoint choice broadcast from rank 0, which does not take part.
     with tempfile.TemporaryDirectory() as folder:
