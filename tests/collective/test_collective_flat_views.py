@@ -77,7 +77,7 @@ def check_views(group: CollectiveGroup) -> None:
         views.init(bound_params)
         views.bind(bound_params)
         weights, grads = views.flat_weights, views.flat_gradients
-        start, length = views.local_partition_range
+        start = views.local_partition_range[0]
         assert views.weight_partition.data_ptr() == weights.data_ptr() + 4 * start
         addresses = []
         offset = 0
@@ -121,7 +121,9 @@ def check_views(group: CollectiveGroup) -> None:
         other = torch.randn(n, generator=torch.Generator().manual_seed(rank))
         views.put_gradients(other)
         seed.put_gradients(other)
-        assert torch.equal(views.aggregate_gradient_partition(), seed.aggregate_gradient_partition())
+        assert torch.equal(
+            views.aggregate_gradient_partition(), seed.aggregate_gradient_partition()
+        )
         views.send_weight_partition()
         seed.send_weight_partition()
         copy = [torch.zeros_like(q) for q in bound_params]

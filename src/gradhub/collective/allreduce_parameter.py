@@ -56,7 +56,6 @@ import torch
 
 from gradhub import codecs
 from gradhub.collective.flat_views import bind_views, occupies
-from gradhub.collective.group import CollectiveFuture, CollectiveGroup
 from gradhub.collective.ring import (
     DEFAULT_PIPELINE_ELEMENTS,
     Group,
@@ -65,6 +64,7 @@ from gradhub.collective.ring import (
 )
 from gradhub.errors import ClosedError, ShapeMismatchError, StateError
 from gradhub.partition import partition_range, partition_ranges
+from gradhub.transports.group import CollectiveFuture, CollectiveGroup
 from gradhub.trees import Tree, TreeSpec, as_tree
 
 _log = logging.getLogger("gradhub.collective")
