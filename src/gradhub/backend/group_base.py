@@ -25,6 +25,7 @@ from gradhub.backend.operations import Context
 from gradhub.backend.work import GradhubWork
 from gradhub.collective import CollectiveGroup
 from gradhub.errors import ClosedError, UnsupportedTensorError
+from gradhub.transports.choice import chosen
 
 _log = logging.getLogger("gradhub.backend")
 
@@ -109,7 +110,7 @@ class GroupBase(dist.ProcessGroup):
         ``"ring"``), once an operation has chosen it."""
         if self._context is None:
             return None
-        return getattr(self._context.group.transport_choice, "name", None)
+        return chosen(self._context.group)
 
     # ------------------------------------------------------------ machinery
     @property
