@@ -18,9 +18,7 @@ SELECTION = [
     "test_all_reduce_sum",
     "test_all_gather_coalesced_simple",
     "test_all_to_all_single_unequal_split",
-    "test_broadcast_object_list",
-    "test_send_recv_with_tag",
-    "test_ddp_hook_parity_allreduce",
+    "test_DistributedDataParallelCPU",
 ]
 
 

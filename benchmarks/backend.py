@@ -1,0 +1,162 @@
+"""The "gradhub" torch.distributed backend against gloo: all-reduce, a DDP step, an FSDP2 step.
+
+Two ranks on this host, both backends in the same processes (the default group
+is "gradhub", a gloo group is made beside it), alternating which goes first in
+every round. Per round and backend: the median time of ``--reps`` calls of
+``dist.all_reduce`` on 1M, 4M and 25M fp32 elements; a DDP training step
+(forward, backward with DDP's bucketed all-reduces, SGD step) of a
+1024-4096-4096-10 MLP (about 21M parameters, batch 32); and the same step with
+FSDP2's ``fully_shard`` on a mesh of the group. Reported: the median over the
+rounds, min and max, and the ratio gradhub / gloo per round (its median and
+spread). This machine's one-thread copy bandwidth and load are recorded.
+Goals: all-reduce <= 0.5x gloo from 4M elements up; DDP step <= 0.8x.
+
+    python benchmarks/backend.py --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from _common import RESULTS, machine_note, rank_zero_result, spread, write_results
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradhub  # noqa: F401  (registers the backend)
+
+SIZES = [1 << 20, 4 << 20, 25 << 20]
+BACKENDS = ["gradhub", "gloo"]
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(1024, 4096),
+        torch.nn.ReLU(),
+        torch.nn.Linear(4096, 4096),
+        torch.nn.ReLU(),
+        torch.nn.Linear(4096, 10),
+    )
+
+
+def _timed(fn: Callable[[], None], reps: int, group: Any) -> float:
+    fn()  # warm-up (buffers, transports)
+    samples = []
+    for _ in range(reps):
+        dist.barrier(group=group)
+        begin = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - begin)
+    return statistics.median(samples)
+
+
+def _stepper(model: torch.nn.Module, rank: int) -> Callable[[], None]:
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(32, 1024, generator=g), torch.randint(0, 10, (32,), generator=g)
+
+    def step() -> None:
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    return step
+
+
+def rank_main(rank: int, port: int, rounds: int, reps: int, steps: int, queue: Any) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gradhub",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=timedelta(seconds=600),
+    )
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    groups = {"gradhub": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
+    tensors = {n: torch.ones(n) for n in SIZES}
+    ddp = {b: _stepper(DDP(_mlp(), process_group=groups[b]), rank) for b in BACKENDS}
+    fsdp = {}
+    for b in BACKENDS:
+        model = _mlp()
+        mesh = DeviceMesh.from_group(groups[b], "cpu")
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        fsdp[b] = _stepper(model, rank)
+    samples: dict[str, dict[str, list[float]]] = {}
+    for r in range(rounds):
+        order = BACKENDS if r % 2 == 0 else BACKENDS[::-1]
+        for b in order:
+            g = groups[b]
+            for n, t in tensors.items():
+                key = f"all_reduce {n >> 20}M"
+                seconds = _timed(lambda t=t, g=g: dist.all_reduce(t, group=g), reps, g)
+                samples.setdefault(key, {}).setdefault(b, []).append(seconds)
+            for key, table in (("DDP step", ddp), ("FSDP2 step", fsdp)):
+                seconds = _timed(table[b], steps, g)
+                samples.setdefault(key, {}).setdefault(b, []).append(seconds)
+    if rank == 0:
+        queue.put(samples)
+    dist.destroy_process_group()
+
+
+def _report(samples: dict[str, dict[str, list[float]]], rounds: int) -> dict[str, Any]:
+    rows = {}
+    for key, by_backend in samples.items():
+        ratios = [a / b for a, b in zip(by_backend["gradhub"], by_backend["gloo"], strict=True)]
+        rows[key] = {
+            "gradhub_s": spread(by_backend["gradhub"]),
+            "gloo_s": spread(by_backend["gloo"]),
+            "ratio": spread(ratios),
+        }
+    return {"rounds": rounds, "world_size": 2, "machine": machine_note(), "rows": rows}
+
+
+def _markdown(report: dict[str, Any]) -> str:
+    m = report["machine"]
+    lines = [
+        "# gradhub backend vs gloo (2 ranks, one host)",
+        "",
+        f"{report['rounds']} rounds, alternating. Copy bandwidth (1 thread): "
+        f"{m['copy_GBps_median']:.1f} GB/s; load average {m['loadavg']}.",
+        "",
+        "| operation | gradhub (median s) | gloo (median s) | ratio median | ratio min-max |",
+        "|---|---|---|---|---|",
+    ]
+    for key, row in report["rows"].items():
+        r = row["ratio"]
+        lines.append(
+            f"| {key} | {row['gradhub_s']['median']:.4f} | {row['gloo_s']['median']:.4f} "
+            f"| {r['median']:.2f}x | {r['min']:.2f}-{r['max']:.2f}x |"
+        )
+    lines += ["", "Goals: all-reduce <= 0.5x gloo from 4M up; DDP step <= 0.8x.", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=5, help="timed all-reduces per round")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per round")
+    parser.add_argument("--out", default=str(RESULTS))
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    samples = rank_zero_result(rank_main, 2, args.rounds, args.reps, args.steps)
+    report = _report(samples, args.rounds)
+    write_results(args.out, "backend", report, _markdown(report))
+    print(_markdown(report))
+
+
+if __name__ == "__main__":
+    main()
