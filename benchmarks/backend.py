@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _common import RESULTS, machine_note, rank_zero_result, spread, write_results
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradhub  # noqa: F401  (registers the backend)
+from _common import RESULTS, machine_note, rank_zero_result, spread, write_results
 
 SIZES = [1 << 20, 4 << 20, 25 << 20]
 BACKENDS = ["gradhub", "gloo"]
