@@ -44,8 +44,7 @@ def check_cpu(name: str, tensors: Tensors) -> None:
         if t.device.type != "cpu":
             raise UnsupportedTensorError(
                 f"{name}: the gradhub backend takes CPU tensors, got one on {t.device}\n"
-                '- help: use NCCL for GPU tensors: dist.init_process_group("nccl"), or '
-                '"cpu:gradhub,cuda:nccl" for both'
+                '- help: use NCCL for GPU tensors: dist.init_process_group("nccl")'
             )
 
 

@@ -15,7 +15,8 @@ Decisions:
   looks up either, by version.
 - A CUDA tensor is an :class:`~gradhub.errors.UnsupportedTensorError` raised
   from the call itself (gradhub's transports are host memory); it says to use
-  NCCL (``init_process_group("cpu:gradhub,cuda:nccl")`` for both).
+  NCCL. (A mixed ``"cpu:gradhub,cuda:nccl"`` group is not possible: torch
+  takes a Python process group as the whole group.)
 - The group's timeout (``init_process_group(timeout=...)``) bounds every
   operation; a dead or stalled peer fails the work with gradhub's error naming
   the rank, and the group is broken afterwards (later operations raise
