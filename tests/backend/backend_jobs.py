@@ -186,5 +186,21 @@ def operations_match_gloo(rank: int, world_size: int) -> dict[str, Any]:
     except gradhub.errors.UnsupportedTensorError as exc:
         assert "NCCL" in str(exc)
         checked.append("device error")
+    # a stalled peer: the operation fails within the group's timeout, naming it
+    import time
+
+    short = dist.new_group(backend="gradhub", timeout=timedelta(seconds=3))
+    dist.all_reduce(torch.ones(8), group=short)  # transports set up
+    begin = time.monotonic()
+    if rank == world_size - 1:
+        time.sleep(6)
+    try:
+        dist.all_reduce(torch.ones(1000), group=short)
+    except gradhub.errors.CollectiveTimeoutError as exc:
+        assert rank != world_size - 1 and f"rank(s) {world_size - 1}" in str(exc), str(exc)
+        assert time.monotonic() - begin < 6, "not within the group's timeout"
+        checked.append("stalled peer named")
+    except gradhub.GradhubError:
+        assert rank == world_size - 1  # the late rank finds the others gone
     dist.destroy_process_group()
     return {"checked": checked}
