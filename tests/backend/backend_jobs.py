@@ -186,6 +186,16 @@ def operations_match_gloo(rank: int, world_size: int) -> dict[str, Any]:
     except gradhub.errors.UnsupportedTensorError as exc:
         assert "NCCL" in str(exc)
         checked.append("device error")
+    # a message that never comes: recv fails within the group's timeout, naming the peer
+    quiet = dist.new_group(backend="gradhub", timeout=timedelta(seconds=2))
+    if rank == 0:
+        try:
+            dist.recv(torch.empty(3), src=1, group=quiet)
+        except gradhub.errors.CollectiveTimeoutError as exc:
+            assert "rank(s) 1" in str(exc), str(exc)
+            checked.append("silent peer named")
+    dist.barrier()
+
     # a stalled peer: the operation fails within the group's timeout, naming it
     import time
 

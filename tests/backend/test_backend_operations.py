@@ -13,3 +13,4 @@ def test_operations_match_gloo() -> None:
     results = run_ranks(operations_match_gloo, 2, timeout=120)
     assert all("device error" in r.value["checked"] for r in results)
     assert "stalled peer named" in results[0].value["checked"]
+    assert "silent peer named" in results[0].value["checked"]

@@ -36,7 +36,7 @@ from torch._C._distributed_c10d import AllgatherOptions
 from gradhub.backend import operations as ops
 from gradhub.backend.group_base import GroupBase, Tensors, check_cpu
 from gradhub.backend.operations import Reduction
-from gradhub.backend.work import GradhubWork
+from gradhub.backend.work import GradhubWork, PeerWork
 from gradhub.errors import UnsupportedTensorError
 
 
@@ -314,7 +314,8 @@ class GradhubProcessGroup(GroupBase):
     # -------------------------------------------------------- point to point
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
         check_cpu("send", tensors)
-        return self._p2p.send([t.contiguous() for t in tensors], dst, tag)
+        work = self._p2p.send([t.contiguous() for t in tensors], dst, tag)
+        return PeerWork(work, "send", self._rank, dst, self._timeout)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Any:
         check_cpu("recv", tensors)
@@ -324,8 +325,9 @@ class GradhubProcessGroup(GroupBase):
                     "recv: the tensor to receive into must be contiguous\n"
                     "- help: receive into t.contiguous() and copy it where it belongs"
                 )
-        return self._p2p.recv(tensors, src, tag)
+        return PeerWork(self._p2p.recv(tensors, src, tag), "recv", self._rank, src, self._timeout)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Any:
         check_cpu("recv", tensors)
-        return self._p2p.recv_anysource(tensors, tag)
+        work = self._p2p.recv_anysource(tensors, tag)
+        return PeerWork(work, "recv", self._rank, None, self._timeout)

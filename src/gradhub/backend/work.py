@@ -26,11 +26,12 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from gradhub.errors import CollectiveTimeoutError
+from gradhub.errors import CollectiveTimeoutError, WorkerFailedError
 
 WAIT_GRACE = 10.0
 """Seconds a ``wait()`` without its own timeout allows beyond the operation's
@@ -120,3 +121,65 @@ class GradhubWork(dist._Work):
     def __repr__(self) -> str:
         state = "done" if self._done.is_set() else "pending"
         return f"GradhubWork({self.name!r}, {state})"
+
+
+class PeerWork(dist._Work):
+    """A point-to-point message on the group's gloo group, whose failure names the peer.
+
+    gloo bounds the message by the group's timeout; ``wait()`` turns gloo's
+    error into :class:`~gradhub.errors.CollectiveTimeoutError` (timed out) or
+    :class:`~gradhub.errors.WorkerFailedError` (connection lost), naming the
+    peer (``None``: any source).
+    """
+
+    def __init__(self, inner: Any, name: str, rank: int, peer: int | None, timeout: float):
+        super().__init__()
+        self._inner = inner
+        self.name = name
+        self._rank = rank
+        self._peer = peer
+        self._timeout = timeout
+
+    def wait(self, timeout: timedelta | float | None = None) -> bool:
+        if isinstance(timeout, (int, float)):
+            timeout = timedelta(seconds=timeout)
+        try:
+            if timeout is None or timeout.total_seconds() <= 0:
+                finished = self._inner.wait()
+            else:
+                finished = self._inner.wait(timeout)
+        except RuntimeError as exc:  # c10d's DistError: gloo's timeout or a lost peer
+            raise self._failure(exc) from exc
+        return bool(finished)
+
+    def _failure(self, exc: RuntimeError) -> CollectiveTimeoutError | WorkerFailedError:
+        who = "any rank" if self._peer is None else f"rank {self._peer}"
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if "timed out" in text.lower() or "timeout" in text.lower():
+            missing = [] if self._peer is None else [self._peer]
+            return CollectiveTimeoutError(
+                f"[rank {self._rank}] {self.name}", missing, self._timeout, text
+            )
+        return WorkerFailedError(
+            f"[rank {self._rank}] {self.name} with {who} failed: {text}\n"
+            f"- help: check the log of {who}; it died or left the group"
+        )
+
+    def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
+        future: torch.futures.Future[list[torch.Tensor]] = self._inner.get_future()
+        return future
+
+    def is_completed(self) -> bool:
+        return bool(self._inner.is_completed())
+
+    def is_success(self) -> bool:
+        return bool(self._inner.is_success())
+
+    def exception(self) -> Any:
+        return self._inner.exception()
+
+    def source_rank(self) -> int:
+        return int(self._inner.source_rank())
+
+    def __repr__(self) -> str:
+        return f"PeerWork({self.name!r}, peer={self._peer})"
