@@ -17,11 +17,19 @@ from gradhub._config import config_or_options
 from gradhub.errors import GradhubError
 from gradhub.optim import OptimizerSpec
 from gradhub.train.strategies.base import Strategy
-from gradhub.train.strategies.ps import servers, state
 from gradhub.train.strategies.ps.coordination import broadcast_json, on_rank0
 from gradhub.train.strategies.ps.discovery import PSConfig, published_addresses
 from gradhub.train.strategies.ps.hyper import HyperparameterTracker
-from gradhub.train.strategies.ps.servers import Key
+from gradhub.train.strategies.ps.servers import (
+    Key,
+    connect,
+    init_keys,
+    latest_generation,
+    new_generation,
+    wire_name,
+)
+from gradhub.train.strategies.ps.state import load_hyperparameters, local_state, per_key
+from gradhub.train.strategies.ps.state import fetch as fetch_state
 
 log = logging.getLogger(__name__)
 
@@ -66,16 +74,14 @@ class _PSStrategy(Strategy):
         self._hyper = HyperparameterTracker(optimizer, [k.group for k in self._keys])
         # Rank 0's parameters (frozen ones too) and buffers everywhere first.
         self._broadcast_from_rank0(model)
-        self._client, reports = servers.connect(
-            self.config, rt.rank, addresses, self.mode, self.name
-        )
+        self._client, reports = connect(self.config, rt.rank, addresses, self.mode, self.name)
         try:
-            local = {} if optimizer is None else state.local_state(optimizer)
+            local = {} if optimizer is None else local_state(optimizer)
 
             def init() -> int:
-                generation = servers.latest_generation(reports, self._keys)
+                generation = latest_generation(reports, self._keys)
                 self._set_generation(generation)
-                servers.init_keys(self._client, self._keys, self._spec, local)
+                init_keys(self._client, self._keys, self._spec, local)
                 return generation
 
             self._set_generation(
@@ -93,7 +99,7 @@ class _PSStrategy(Strategy):
     def _set_generation(self, generation: int) -> None:
         self._generation = generation
         for key in self._keys:
-            key.wire = servers.wire_name(key.name, generation)
+            key.wire = wire_name(key.name, generation)
 
     def _wire_of(self, p: torch.Tensor) -> str | None:
         for key in self._keys:
@@ -272,23 +278,23 @@ class _PSStrategy(Strategy):
     def optimizer_state_dict(self) -> dict[str, Any]:
         """The servers' optimizer state of every parameter, in the single-process
         optimizer's format; no collective (see :mod:`.state`)."""
-        return state.fetch(self._client, self._groups(), self._wire_of)
+        return fetch_state(self._client, self._groups(), self._wire_of)
 
     def load_optimizer_state_dict(self, saved: dict[str, Any]) -> None:
         """A single-process optimizer's state dict (or one this method's peer wrote
         at any world size) into the servers and the script's groups; every rank
         calls it (see :mod:`.state`)."""
         groups = self._groups()
-        per_key = state.per_key(saved, groups, self._wire_of)
+        entries = per_key(saved, groups, self._wire_of)
 
         def send() -> int:
-            for wire, like, mine in per_key:
+            for wire, like, mine in entries:
                 self._client.set_optimizer_state(wire, mine, like)
             return 0
 
         on_rank0(self.runtime, send, "set the optimizer state on the servers", self.name)
         if self.optimizer is not None:
-            state.load_hyperparameters(saved, groups)
+            load_hyperparameters(saved, groups)
 
     def model_loaded(self) -> None:
         """Every rank loaded a state dict into the model: rank 0's values become a
@@ -296,7 +302,7 @@ class _PSStrategy(Strategy):
         rt = self.runtime
 
         def renew() -> int:
-            return servers.new_generation(self._client, self._keys, self._generation, self._spec)
+            return new_generation(self._client, self._keys, self._generation, self._spec)
 
         self._set_generation(on_rank0(rt, renew, "store the loaded parameters", self.name))
         self._hyper.reset()
