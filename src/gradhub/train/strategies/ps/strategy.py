@@ -28,8 +28,8 @@ from gradhub.train.strategies.ps.servers import (
     new_generation,
     wire_name,
 )
-from gradhub.train.strategies.ps.state import load_hyperparameters, local_state, per_key
 from gradhub.train.strategies.ps.state import fetch as fetch_state
+from gradhub.train.strategies.ps.state import load_hyperparameters, local_state, per_key
 
 log = logging.getLogger(__name__)
 
