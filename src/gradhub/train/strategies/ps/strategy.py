@@ -213,6 +213,13 @@ class _PSStrategy(Strategy):
         self._settle(pushes)
         self.refresh()
 
+    def _apply_unsynced(self) -> None:
+        """``step`` with no backward since the last step: as DDP's optimizer steps
+        again on what ``.grad`` holds, the servers get it again (``ps-sync``:
+        the last combined gradient, the same bits on every worker; a key whose
+        ``.grad`` is None, after ``zero_grad``, is not pushed)."""
+        self._apply()
+
     def _push_shares(self) -> list[Future[None]]:
         """ps-sync: ``p.grad`` is the combined gradient on every worker. Key ``i`` is
         pushed whole by worker ``i % world_size`` and as zeros by the others, so the
