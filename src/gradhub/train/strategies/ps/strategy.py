@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 import torch
 
 from gradhub._config import config_or_options
+from gradhub.collective import ring
 from gradhub.errors import GradhubError
 from gradhub.optim import OptimizerSpec
 from gradhub.train.strategies.base import Strategy
@@ -162,8 +163,9 @@ class _PSStrategy(Strategy):
 
     def _combine(self) -> None:
         """ps-sync: every ``p.grad`` becomes the combined gradient, the same bits on
-        every worker (one all-reduce per dtype, with a flag per parameter saying
-        whether any worker used it)."""
+        every worker: one all-reduce per dtype (float32 on the job's transport,
+        shared memory on one host; others through the backend), the float32 one
+        carrying a flag per parameter saying whether any worker used it."""
         weight, by_count = self._weights()
         grads = [key.param.grad for key in self._keys]
         flags = [0.0 if g is None else 1.0 for g in grads] + ([weight] if by_count else [])
@@ -184,7 +186,11 @@ class _PSStrategy(Strategy):
             ]
             if dtype == torch.float32:
                 parts.append(torch.tensor(flags, dtype=torch.float32))
-            flat = self.runtime.all_reduce_sum(torch.cat(parts), where=where)
+            flat = torch.cat(parts)
+            if dtype == torch.float32:  # the job's transport (shared memory on one host)
+                ring.all_reduce(flat, group=self.runtime.group).wait()
+            else:
+                self.runtime.all_reduce_sum(flat, where=where)
             if dtype == torch.float32:
                 tail = flat[-len(flags) :]
                 used = [bool(f > 0) for f in tail[: len(self._keys)].tolist()]
