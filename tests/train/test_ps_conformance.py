@@ -3,20 +3,23 @@ single-process run on the combined batch; the translated errors."""
 
 from __future__ import annotations
 
+import json
 import socket
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
 import gradhub
-from gradhub.errors import CollectiveTimeoutError, RendezvousError
+from gradhub.errors import CollectiveTimeoutError, LaunchEnvironmentError, RendezvousError
 from gradhub.optim import OptimizerSpec
 from gradhub.ps.config import ServerConfig
 from gradhub.ps.launch import start_server
 from gradhub.ps.store import ParameterStore
-from gradhub.train.strategies.ps import published_addresses
+from gradhub.train.strategies.ps import ADDRESSES_KEY, published_addresses
 from harness import run_ranks
 from ps_conformance_jobs import Case, adamw, broadcast_timeout_job, ps_sync_job, reference
 
@@ -105,7 +108,21 @@ def test_published_addresses_names_a_store_that_does_not_answer(
         monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
         monkeypatch.setenv("MASTER_PORT", str(port))
         with pytest.raises(RendezvousError, match=rf"store at 127.0.0.1:{port} did not answer"):
-            published_addresses(timeout=0.5)
+            published_addresses(timeout=0.2)
+
+
+def test_published_addresses_reads_the_store_or_names_a_bad_value(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=5))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    assert published_addresses(timeout=0.2) is None  # answers, holds none
+    store.set(ADDRESSES_KEY, json.dumps(["tcp://10.0.0.5:5555"]))
+    assert published_addresses(timeout=1) == ["tcp://10.0.0.5:5555"]
+    store.set(ADDRESSES_KEY, "{not json")
+    with pytest.raises(LaunchEnvironmentError, match="could not be read as a JSON list"):
+        published_addresses(timeout=1)
 
 
 @pytest.mark.slow
