@@ -21,6 +21,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from gradhub import codecs
 from gradhub.errors import LaunchEnvironmentError, RendezvousError
 
 ADDRESSES_KEY = "gradhub/ps/addresses"
@@ -48,6 +49,7 @@ class PSConfig:
             raise ValueError("servers is an empty list; give at least one address or None")
         if not self.timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {self.timeout}")
+        codecs.check(self.compress, for_="ps-async/ps-sync/ps-ssp")
 
 
 def published_addresses(timeout: float = 10.0) -> list[str] | None:
