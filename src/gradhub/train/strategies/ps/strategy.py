@@ -45,6 +45,7 @@ class _PSStrategy(Strategy):
         self.config = config_or_options(PSConfig, config, options)
         self._client: Any = None
         self._keys: list[Key] = []
+        self._by_id: dict[int, Key] = {}
         self._generation = 0
         self._spec: OptimizerSpec | None = None
         self._hyper = HyperparameterTracker(None, [])
@@ -72,6 +73,7 @@ class _PSStrategy(Strategy):
             for n, p in model.named_parameters()
             if id(p) in trainable
         ]
+        self._by_id = {id(k.param): k for k in self._keys}
         self._hyper = HyperparameterTracker(optimizer, [k.group for k in self._keys])
         # Rank 0's parameters (frozen ones too) and buffers everywhere first.
         self._broadcast_from_rank0(model)
@@ -103,10 +105,8 @@ class _PSStrategy(Strategy):
             key.wire = wire_name(key.name, generation)
 
     def _wire_of(self, p: torch.Tensor) -> str | None:
-        for key in self._keys:
-            if key.param is p:
-                return key.wire
-        return None
+        key = self._by_id.get(id(p))
+        return None if key is None else key.wire
 
     def _align_steps(self) -> None:
         """After torchrun restarted the workers (sync, ssp): bring every worker's
