@@ -65,7 +65,11 @@ Other decisions:
   ``ps-ssp`` step sends a *skip push* of every key (the servers count it as
   the worker's step, so the others never wait for a push that does not
   come, and apply nothing); a skipped ``ps-async`` step pushes nothing.
-  Both then pull, as a step does.
+  Both then pull, as a step does. ``torch.amp.GradScaler`` never calls the
+  prepared optimizer on a skipped step, so there nothing is pushed and
+  nothing pulled, under every mode; under ``ps-ssp`` that worker's clock then
+  lags by one step per skip (its skipped steps are not counted), which the
+  others wait for only beyond ``max_staleness``.
 - :func:`gradhub.check_in_sync` pulls the servers' values first (as
   ``refresh``), so a local change to a replica is replaced, not reported.
   Under ``ps-async``/``ps-ssp`` call it once every worker's last step has
