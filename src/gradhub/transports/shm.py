@@ -64,7 +64,8 @@ from collections.abc import Sequence
 import torch
 
 from gradhub import codecs
-from gradhub._shm.memory import Mapping, forgetting_views, futex_wait, futex_wake, supported
+from gradhub._shm.futex import futex_wait, futex_wake
+from gradhub._shm.memory import Mapping, forgetting_views, supported
 from gradhub.errors import ClosedError, CollectiveTimeoutError, WorkerFailedError
 from gradhub.transports.base import Chunking, Ranges, Transport
 from gradhub.transports.group import CollectiveGroup, Operation
