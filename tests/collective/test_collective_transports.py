@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from gradhub import codecs
 from gradhub.collective import CollectiveGroup, all_gather, local_group, reduce_scatter
+from gradhub.errors import ClosedError
 from gradhub.transports import Chunking, checks_in, chosen, select
 from gradhub.transports.shm import supported
 from harness import free_port, run_ranks
@@ -76,8 +77,13 @@ def job(rank: int, world_size: int, port: int) -> dict[str, Any]:
                 same = torch.equal if name != "gloo" else torch.allclose
                 out[f"{name}/all_reduce/{codec}"] = bool(same(y, expected))
             out[f"{name}/chosen"] = chosen(group)
+        shm = on_worker(groups["shm"], "keep", lambda t, op: (t, op))
         for name in ("shm", "gloo"):
             groups[name].close()
+        try:  # the transport was closed with its group
+            shm[0].broadcast(shm[1], torch.zeros(3), 0)
+        except ClosedError as exc:
+            out["closed"] = str(exc)
         # A group of one rank: the single-rank transport, whatever was asked.
         singles = [dist.new_group([r]) for r in range(world_size)]
         with CollectiveGroup(singles[rank], store=None, timeout=60, transport="shm") as one:
@@ -101,6 +107,7 @@ def test_every_transport_keeps_the_interface() -> None:
     for r in results:
         failed = [k for k, v in r.value.items() if v is False]
         assert failed == [], (r.rank, failed)
+        assert "shared-memory transport is closed" in r.value.pop("closed"), r.value
         chosen_names = {k: v for k, v in r.value.items() if k.endswith("chosen")}
         assert chosen_names == {
             "ring/chosen": "ring",
