@@ -98,7 +98,7 @@ class AllReduceParameter:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
         self.group = CollectiveGroup.of(group)
         self._owns_group = self.group is not group  # a wrapper made here is closed with self
-        self.codec = codecs.get(compress)
+        self.codec = codecs.get(compress, for_="AllReduceParameter")
         self.gradient_codec = self.codec
         """The codec of the gradients' wire; ``codec`` by default (the ``sharded``
         strategy sets a non-saturating fp16 under loss scaling)."""
