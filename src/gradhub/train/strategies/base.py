@@ -253,9 +253,9 @@ class Strategy(LossScaling, ForwardSide, abc.ABC):
             raise MisuseError("optimizer.step() called during backward()")
         if self._local:
             raise MisuseError(
-                "optimizer.step() after a backward() inside no_sync() with no backward() "
-                "outside no_sync() since: those gradients were never combined across "
-                "ranks\n- help: run the last micro-batch's backward outside "
+                "optimizer.step() without a backward() outside no_sync() since a backward() "
+                "inside no_sync(): those gradients were never combined across ranks\n"
+                "- help: run the last micro-batch's backward outside "
                 "`with model.no_sync():` (or with model.require_backward_grad_sync = True)"
             )
         self._current = index
