@@ -147,6 +147,20 @@ def repeated_sync_loop(model: Any, opts: list[Any], rank: int) -> None:
         opts[0].zero_grad(set_to_none=False)
 
 
+def forward_decides_loop(model: Any, opts: list[Any], rank: int) -> None:
+    """DDP decides at forward: a forward inside no_sync() makes a backward outside
+    it local; a forward outside makes a backward inside it synchronise."""
+    for step in range(2):
+        with model.no_sync():
+            loss = loss_of(model, step, 0, rank)
+        loss.backward()
+        loss = loss_of(model, step, 1, rank)
+        with model.no_sync():
+            loss.backward()
+        opts[0].step()
+        opts[0].zero_grad()
+
+
 def unused_loop(model: Any, opts: list[Any], rank: int) -> None:
     """``extra`` used on rank 0 only in steps 0 and 2; ``never`` by no rank."""
     for step in range(4):
@@ -246,40 +260,60 @@ BF16_HOOK = type(
 
 
 def ddp_checks(rank: int, world: int) -> dict[str, Any]:
+    """Every check of the module; a check that raises reports its error as its value."""
     runtime = gradhub.init(timeout=60)
-    try:
-        out: dict[str, Any] = {}
-        out["nanogpt"] = both(rank, nanogpt_loop)["diff"]
-        out["repeated sync"] = both(rank, repeated_sync_loop)["diff"]
-        out["gradient_as_bucket_view"] = both(
+    bn = lambda: Net(10 + rank, bn=True, frozen=True)  # noqa: E731
+    small = {"bucket_cap_mb": 0.0005}  # several buckets
+    checks: dict[str, Callable[[], Any]] = {
+        "nanogpt": lambda: both(rank, nanogpt_loop)["diff"],
+        "repeated sync": lambda: both(rank, repeated_sync_loop)["diff"],
+        "gradient_as_bucket_view": lambda: both(
             rank, repeated_sync_loop, ddp={"gradient_as_bucket_view": True}
-        )["diff"]
-        r = both(rank, unused_loop, ddp={"find_unused_parameters": True})
-        out["unused"] = r["diff"]
-        out["never grad"] = [r[k + " grads"]["never.weight"] for k in ("ddp", "gradhub")]
-        out["never moved"] = torch.equal(r["gradhub"]["never.weight"], Net(0).never.weight)
-        for clip in ("torch", "gradhub"):
-            out[f"clip {clip}"] = both(rank, clip_loop(clip))["diff"]
-        bn = lambda: Net(10 + rank, bn=True, frozen=True)  # noqa: E731
-        out["buffers"] = both(rank, buffers_loop, bn)["diff"]
-        out["buffers off"] = both(rank, buffers_loop, bn, ddp={"broadcast_buffers": False})["diff"]
-        out["several optimizers"] = both(rank, several_loop, optimizers=two_optimizers)["diff"]
-        out["scaler"] = both(rank, scaler_loop)["diff"]
-        out["bucket_cap_mb"] = both(rank, nanogpt_loop, ddp={"bucket_cap_mb": 0.0005})["diff"]
-        for name, hook in [
-            ("allreduce_hook", default_hooks.allreduce_hook),
-            ("fp16_compress_hook", default_hooks.fp16_compress_hook),
-            ("bf16_compress_hook", BF16_HOOK),
-            ("user hook", user_hook),
-        ]:
-            out[name] = both(rank, nanogpt_loop, hook=hook)["diff"]
-        for divide in (True, False):
-            out[f"join divide={divide}"] = both(rank, join_loop(divide), optimizers=sgd)["diff"]
-        out["bf16"] = bf16_check(rank)
-        out["rank 0 alone"] = rank0_checkpoint(rank, runtime)
+        )["diff"],
+        "forward decides": lambda: both(rank, forward_decides_loop)["diff"],
+        "unused": lambda: unused_check(rank),
+        "clip torch": lambda: both(rank, clip_loop("torch"))["diff"],
+        "clip gradhub": lambda: both(rank, clip_loop("gradhub"))["diff"],
+        "buffers": lambda: both(rank, buffers_loop, bn)["diff"],
+        "buffers off": lambda: both(rank, buffers_loop, bn, ddp={"broadcast_buffers": False})[
+            "diff"
+        ],
+        "several optimizers": lambda: both(rank, several_loop, optimizers=two_optimizers)["diff"],
+        "scaler": lambda: both(rank, scaler_loop)["diff"],
+        "bucket_cap_mb": lambda: both(rank, nanogpt_loop, ddp=small)["diff"],
+        "clip gradhub, buckets": lambda: both(rank, clip_loop("gradhub"), ddp=small)["diff"],
+        "allreduce_hook": lambda: both(rank, nanogpt_loop, hook=default_hooks.allreduce_hook)[
+            "diff"
+        ],
+        "fp16_compress_hook": lambda: both(
+            rank, nanogpt_loop, hook=default_hooks.fp16_compress_hook
+        )["diff"],
+        "bf16_compress_hook": lambda: both(rank, nanogpt_loop, hook=BF16_HOOK)["diff"],
+        "user hook": lambda: both(rank, nanogpt_loop, hook=user_hook)["diff"],
+        "join divide=True": lambda: both(rank, join_loop(True), optimizers=sgd)["diff"],
+        "join divide=False": lambda: both(rank, join_loop(False), optimizers=sgd)["diff"],
+        "bf16": lambda: bf16_check(rank),
+        "rank 0 alone": lambda: rank0_checkpoint(rank, runtime),
+    }
+    out: dict[str, Any] = {}
+    try:
+        for name, check in checks.items():
+            try:
+                out[name] = check()
+            except Exception as exc:  # reported per check; later ones may still run
+                out[name] = f"{type(exc).__name__}: {exc}"
         return out
     finally:
         runtime.close()
+
+
+def unused_check(rank: int) -> dict[str, Any]:
+    r = both(rank, unused_loop, ddp={"find_unused_parameters": True})
+    return {
+        "diff": r["diff"],
+        "never grad": [r[k + " grads"]["never.weight"] for k in ("ddp", "gradhub")],
+        "never moved": torch.equal(r["gradhub"]["never.weight"], Net(0).never.weight),
+    }
 
 
 def sgd(model: nn.Module) -> list[torch.optim.Optimizer]:
@@ -344,7 +378,7 @@ def rank0_checkpoint(rank: int, runtime: Any) -> dict[str, Any]:
 def runs_out_without_join(rank: int, world: int) -> str:
     """Rank 1 stops after one step and stays alive: rank 0's next step must fail
     within the timeout, naming rank 1."""
-    runtime = gradhub.init(timeout=3)
+    runtime = gradhub.init(timeout=2)
     try:
         base = Net(0)
         model, opt = gradhub.prepare(base, adamw(base)[0])
@@ -355,7 +389,7 @@ def runs_out_without_join(rank: int, world: int) -> str:
                 return f"{type(exc).__name__}: {exc}"
             opt.step()
             opt.zero_grad()
-        time.sleep(5)
+        time.sleep(3.5)
         return "finished"
     finally:
         runtime.close()
