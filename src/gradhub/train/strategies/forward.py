@@ -13,7 +13,7 @@ Elsewhere both are a :class:`~gradhub.errors.MisuseError` at the call.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from typing import Any, ClassVar
 
 import torch
 
@@ -22,9 +22,6 @@ from gradhub.runtime import Runtime
 from gradhub.train.ddp_options import DDPOptions
 from gradhub.train.strategies.join import Join
 from gradhub.train.strategies.replicas import broadcast_tensors
-
-if TYPE_CHECKING:
-    from gradhub.train.strategies.base import Strategy
 
 
 class ForwardSide:
@@ -60,7 +57,7 @@ class ForwardSide:
                 "strategy='allreduce', or give every rank the same number of batches "
                 "(DistributedSampler(drop_last=True))"
             )
-        return Join(cast("Strategy", self), **options)
+        return Join(self, **options)
 
     def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
         """DDP's ``register_comm_hook``; only ``allreduce`` takes one."""

@@ -37,15 +37,34 @@ rank within the runtime's timeout.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from gradhub.errors import WorkerFailedError
+from gradhub.runtime import Runtime
+from gradhub.train.ddp_options import DDPOptions
 
-if TYPE_CHECKING:
-    from gradhub.train.strategies.base import Strategy
+
+class Joinable(Protocol):
+    """What :class:`Join` needs of a strategy (a :class:`Strategy` with ``supports_join``)."""
+
+    model: torch.nn.Module | None
+    ddp: DDPOptions
+    _join: Any
+
+    @property
+    def runtime(self) -> Runtime: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def _buffers(self) -> list[torch.Tensor]: ...
+
+    def _broadcast(self, tensors: list[torch.Tensor], src: int) -> None: ...
+
+    def _shadow_sync(self) -> None: ...
 
 
 class Join:
@@ -53,7 +72,7 @@ class Join:
 
     def __init__(
         self,
-        strategy: Strategy,
+        strategy: Joinable,
         *,
         divide_by_initial_world_size: bool = True,
         enable: bool = True,
