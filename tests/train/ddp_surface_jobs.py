@@ -232,6 +232,22 @@ def join_loop(divide: bool) -> Loop:
     return loop
 
 
+def join_throw_check(rank: int) -> str:
+    """join(throw_on_early_termination=True): every rank raises, naming rank 1."""
+    base = Net(0)
+    model, opt = gradhub.prepare(base, sgd(base)[0])
+    with model:
+        try:
+            with model.join(throw_on_early_termination=True):
+                for step in range(3 if rank == 0 else 1):
+                    loss_of(model, step, 0, rank).backward()
+                    opt.step()
+                    opt.zero_grad()
+        except gradhub.WorkerFailedError as exc:
+            return str(exc)
+    return "no error"
+
+
 def user_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations
     """A hook written against DDP's GradBucket: checks the interface, averages."""
     buffer = bucket.buffer()
@@ -292,6 +308,7 @@ def ddp_checks(rank: int, world: int) -> dict[str, Any]:
         "user hook": lambda: both(rank, nanogpt_loop, hook=user_hook)["diff"],
         "join divide=True": lambda: both(rank, join_loop(True), optimizers=sgd)["diff"],
         "join divide=False": lambda: both(rank, join_loop(False), optimizers=sgd)["diff"],
+        "join throw": lambda: join_throw_check(rank),
         "bf16": lambda: bf16_check(rank),
         "rank 0 alone": lambda: rank0_checkpoint(rank, runtime),
     }

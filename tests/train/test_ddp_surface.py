@@ -59,6 +59,12 @@ def test_unused_everywhere_keeps_grad_none_and_is_not_moved(checks: list[Any]) -
 
 
 @pytest.mark.slow
+def test_join_can_throw_on_every_rank_naming_who_ran_out(checks: list[Any]) -> None:
+    for seen in checks:
+        assert seen["join throw"].startswith("rank(s) 1 ran out of inputs"), seen["join throw"]
+
+
+@pytest.mark.slow
 def test_bf16_parameters_sum_in_fp32_rounded_once(checks: list[Any]) -> None:
     for seen in checks:
         assert seen["bf16"] == 0.0

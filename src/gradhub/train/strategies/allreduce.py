@@ -11,8 +11,8 @@ backward, as DDP does:
   full its reduction starts at once, so communication overlaps the rest of
   backward. Buckets start strictly in index order on every rank, so the
   collectives always match even if backward order differs between ranks.
-- When backward ends, every bucket is waited for and each parameter's
-  ``.grad`` becomes a view of its bucket slot (no copy back): after
+- When backward ends, every bucket is waited for and each used parameter's
+  ``.grad`` becomes a view of its bucket slot (no copy back; fp32): after
   ``loss.backward()`` the gradients are combined, so clipping them with
   ``torch.nn.utils.clip_grad_norm_`` clips by the global norm.
 - Weights: by default ``1 / world_size`` (DDP's mean of the ranks' means,
@@ -136,6 +136,21 @@ class _FutureWork:
         except concurrent.futures.TimeoutError:
             raise RuntimeError(f"bucket reduction timed out after {seconds}s") from None
         return True
+
+
+class _Patient:
+    """Waits for a bucket's reduction a little past the group's timeout: the
+    reduction started first, so its own error (which names the ranks that did
+    not answer) comes first and is the one raised, not the caller's."""
+
+    def __init__(self, work: Any, timeout: float) -> None:
+        self._work, self._grace = work, timedelta(seconds=min(5.0, timeout))
+
+    def wait(self, timeout: timedelta | None = None) -> Any:
+        """What the work's own ``wait`` returns (``False`` only on a c10d timeout)."""
+        if timeout is None:
+            return self._work.wait()
+        return self._work.wait(timeout + self._grace)
 
 
 class AllReduceStrategy(Strategy):
@@ -306,7 +321,7 @@ class AllReduceStrategy(Strategy):
                     self._fill(bucket, i, grad)
         self._launch_ready()
         for bucket in self._buckets:
-            self._wait(bucket.work, "all_reduce")
+            self._wait(_Patient(bucket.work, self.runtime.timeout), "all_reduce")
         if self._shadowing:
             return
         last = self._buckets[-1]
