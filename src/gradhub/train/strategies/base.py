@@ -6,7 +6,8 @@ drives it, and ``fit`` drives the very same path. Contract, for every
 strategy (one module each):
 
 - :meth:`Strategy.setup` is called once per process, after ``gradhub.init()``,
-  with the model (already on ``runtime.device``), the user's optimizer (only
+  with the model (already on ``runtime.device``), the user's optimizer (a
+  list of them where :attr:`Strategy.several_optimizers`; only
   its class, hyperparameters and live ``param_groups`` are used where it is not
   stepped itself; ``None`` is allowed only by the parameter-server strategies)
   and the :class:`~gradhub.runtime.Runtime`. It makes every replica start
@@ -54,7 +55,9 @@ DDP's loop, line by line (decisions; DDP's documentation is the spec):
   since the last synchronising backward (``no_sync`` micro-steps included).
   One no rank used keeps ``.grad`` as it was (``None`` after ``zero_grad``),
   so the optimizer does not move it (DDP ``find_unused_parameters=True``);
-  every rank agrees (the flags are summed with the gradients).
+  every rank agrees (the flags are summed with the gradients; a strategy
+  without buckets calls :meth:`Strategy._used_anywhere` in
+  :meth:`Strategy._finish_backward`).
 Misuse (each a :class:`~gradhub.errors.MisuseError`, an error rather than a
 warning because each one makes ranks diverge or collectives mismatch):
 stepping the optimizer handed to ``prepare``; ``step`` during backward;
@@ -389,6 +392,14 @@ class Strategy(LossScaling, ForwardSide, abc.ABC):
         if total is not None:
             return n / total, False
         return float(n), True
+
+    def _used_anywhere(self) -> list[bool]:
+        """Per parameter of :attr:`params`: whether some rank used it since the last
+        synchronising backward. One small all-reduce: call it on every rank, from
+        :meth:`_finish_backward` (the flags are reset when it returns)."""
+        flags = torch.tensor([1.0 if id(p) in self._used else 0.0 for p in self.params])
+        self.runtime.all_reduce_sum(flags, where="which parameters some rank used")
+        return [bool(f > 0) for f in flags]
 
     def _check_counts(self, samples: int, global_samples: int) -> None:
         if samples < 0 or global_samples <= 0 or samples > global_samples:
