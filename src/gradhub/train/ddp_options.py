@@ -51,7 +51,7 @@ _BUCKETED = frozenset({"allreduce", "sharded"})
 """Strategies with a ``bucket_mb`` option (DDP's ``bucket_cap_mb``)."""
 
 _REFUSED = {
-    "mixed_precision": "use torch.autocast in the loop, or prepare(..., precision=) with fit",
+    "mixed_precision": "use torch.autocast in the loop (with gradhub.GradScaler for fp16)",
     "device_mesh": "gradhub is data-parallel over the runtime's group; drop it",
     "delay_all_reduce_named_params": "gradhub reduces every trainable parameter; drop it",
     "param_to_hook_all_reduce": "gradhub reduces every trainable parameter; drop it",
