@@ -17,7 +17,6 @@ import gradhub
 from gradhub.train.strategies.ps.coordination import broadcast_json
 
 WORLD = 2
-SKIP = False  # a step skipped by torch's GradScaler (step 1 of the feature loop)
 
 
 class Net(nn.Module):
@@ -93,10 +92,11 @@ def loop(
     *,
     features: bool,
     grads: dict[str, Any] | None = None,
-    skip: bool = SKIP,
 ) -> None:
-    """The DDP script under test. ``features``: torch's GradScaler (a skipped step
-    at step 1), a scheduler, betas and weight decay changed by hand at step 2."""
+    """The DDP script under test: 2 micro-batches (``no_sync``), torch's clip.
+    ``features``: accumulation through ``require_backward_grad_sync``, torch's
+    GradScaler (a skipped step at step 1), a scheduler, betas and weight decay
+    changed by hand at step 2."""
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7) if features else None
     quiet = model.no_sync if rank is not None else contextlib.nullcontext
@@ -107,9 +107,13 @@ def loop(
                 group["weight_decay"] = 0.05
         opt.zero_grad()
         for micro in range(2):
-            ctx = quiet() if micro == 0 else contextlib.nullcontext()
-            with ctx:
-                loss = loss_of(model, step, micro, rank, poison=features and skip and step == 1)
+            poison = features and step == 1
+            if features and rank is not None:  # nanoGPT's accumulation
+                model.require_backward_grad_sync = micro == 1
+                scaler.scale(loss_of(model, step, micro, rank, poison)).backward()
+                continue
+            with quiet() if micro == 0 else contextlib.nullcontext():  # DDP's no_sync
+                loss = loss_of(model, step, micro, rank, poison)
                 (scaler.scale(loss) if features else loss).backward()
         if grads is not None and step == 0:
             grads.update({n: _grad(p) for n, p in _named(model)})
@@ -182,6 +186,10 @@ def ps_sync_job(rank: int, world: int, address: str, saved: str) -> dict[str, An
             grads: dict[str, Any] = {}
             loop(model, opt, rank, range(4), features=True, grads=grads)
             out["grads"], out["after4"] = grads, values(base)
+            if rank == 1:  # a buffer changed on rank 1 only; DDP broadcasts rank 0's
+                base.conf.shift.add_(1.0)  # before the next forward
+            model(torch.zeros(1, 6))
+            out["buffer"] = base.conf.shift.numpy().copy()
             if rank == 0:  # alone: rank 1 waits at the barrier below meanwhile
                 torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, saved)
             runtime.wait(dist.barrier(async_op=True), "barrier", where="after rank 0 saved")

@@ -75,6 +75,12 @@ class _PSStrategy(Strategy):
         ]
         self._by_id = {id(k.param): k for k in self._keys}
         self._hyper = HyperparameterTracker(optimizer, [k.group for k in self._keys])
+        ddp = self.ddp
+        if self.mode != "sync" and ddp.broadcast_buffers is ddp.forward_sync_buffers is None:
+            # No broadcast of buffers at each forward unless asked for: it would make
+            # every worker wait for the slowest at every forward, which the
+            # asynchronous modes exist to avoid. Buffers stay per worker.
+            ddp.forward_sync_buffers = False
         # Rank 0's parameters (frozen ones too) and buffers everywhere first.
         self._broadcast_from_rank0(model)
         self._client, reports = connect(self.config, rt.rank, addresses, self.mode, self.name)
@@ -168,7 +174,9 @@ class _PSStrategy(Strategy):
         carrying a flag per parameter saying whether any worker used it."""
         weight, by_count = self._weights()
         grads = [key.param.grad for key in self._keys]
-        flags = [0.0 if g is None else 1.0 for g in grads] + ([weight] if by_count else [])
+        used_here = self._used  # accumulated since the last sync, no_sync steps included
+        flags = [1.0 if id(k.param) in used_here else 0.0 for k in self._keys]
+        flags += [weight] if by_count else []
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, key in enumerate(self._keys):
             by_dtype.setdefault(key.param.dtype, []).append(i)
@@ -202,9 +210,8 @@ class _PSStrategy(Strategy):
                 offset += n
         for i, key in enumerate(self._keys):
             p = key.param
-            if not used[i]:
-                p.grad = None  # no worker used it: DDP(find_unused_parameters=True)
-                continue
+            if not used[i]:  # no worker used it: .grad stays as it was (None after
+                continue  # zero_grad), as under DDP(find_unused_parameters=True)
             value = combined[i].view_as(p)
             if by_count:
                 value = value / total
