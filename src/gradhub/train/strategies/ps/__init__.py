@@ -27,17 +27,22 @@ What a DDP line means here (the README's porting table quotes these):
   torch's clip and ``GradScaler`` act on it per worker (its own norm, its
   own overflow), and ``step`` pushes it times the worker's share
   (``1 / world_size``, or ``samples / global_samples``).
-- Unused parameters (``.grad`` None at the end of the synchronising
-  backward): under ``ps-sync`` a parameter no worker used keeps ``.grad``
-  None on every worker and is not pushed, so the servers' optimizer does not
-  move it (DDP ``find_unused_parameters=True``); used on some workers only,
-  the others count zeros. Under ``ps-async``/``ps-ssp`` a parameter this
-  worker did not use is not moved by this worker's update: nothing is pushed
-  (async), or a skip push that advances its clock (ssp).
+- Unused parameters: under ``ps-sync`` a parameter no worker used since the
+  last synchronising backward keeps ``.grad`` as it was (``None`` after
+  ``zero_grad``) on every worker, and a key whose ``.grad`` is None is not
+  pushed, so the servers' optimizer does not move it (DDP
+  ``find_unused_parameters=True``; the "used" flags ride in the gradients'
+  all-reduce); used on some workers only, the others count zeros. Under
+  ``ps-async``/``ps-ssp`` a parameter whose ``.grad`` is None on this worker
+  is not moved by this worker's update: nothing is pushed (async), or a
+  skip push that advances its clock (ssp).
 - Set-up: every rank takes rank 0's parameters (frozen ones too) and
   buffers; then the servers' values of the trainable ones (rank 0's unless
-  the servers already held the keys). Buffers are otherwise local to each
-  worker unless the base broadcasts them per forward.
+  the servers already held the keys). Buffers at each forward: ``ps-sync``
+  broadcasts rank 0's, as DDP's ``broadcast_buffers=True``;
+  ``ps-async``/``ps-ssp`` keep them per worker unless ``broadcast_buffers=True``
+  is passed to ``prepare`` (a broadcast at every forward would make every
+  worker wait for the slowest one, which these modes exist to avoid).
 - Checkpoints: ``model.state_dict()`` and ``optimizer.state_dict()`` read
   the servers directly, no collective, so rank 0 alone may call them; the
   files are a plain model's and a plain optimizer's. Optimizer state loaded
