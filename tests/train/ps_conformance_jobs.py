@@ -92,14 +92,16 @@ def loop(
     *,
     features: bool,
     grads: dict[str, Any] | None = None,
+    twice: bool = False,
 ) -> None:
-    """The DDP script under test: 2 micro-batches (``no_sync``), torch's clip.
+    """The DDP script under test: 2 micro-batches (``no_sync``; ``twice``: both
+    backwards synchronise, which DDP allows with the same sum), torch's clip.
     ``features``: accumulation through ``require_backward_grad_sync``, torch's
     GradScaler (a skipped step at step 1), a scheduler, betas and weight decay
     changed by hand at step 2."""
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7) if features else None
-    quiet = model.no_sync if rank is not None else contextlib.nullcontext
+    quiet = model.no_sync if rank is not None and not twice else contextlib.nullcontext
     for step in steps:
         if features and step == 2:
             for group in opt.param_groups:
@@ -221,7 +223,7 @@ def ps_sync_job(rank: int, world: int, address: str, saved: str) -> dict[str, An
             loop(model, opt, rank, range(7, 8), features=False)
             model.load_state_dict(snapshot_model)
             opt.load_state_dict(snapshot_opt)
-            loop(model, opt, rank, range(2, 4), features=False)
+            loop(model, opt, rank, range(2, 4), features=False, twice=True)
             out["reload"] = values(base)
     finally:
         runtime.close()

@@ -90,7 +90,8 @@ def test_ps_checkpoints_load_with_plain_torch_and_resume(
     plain_ref = reference("resume")["plain4"]
     for r in sync_results:
         _close(r["resume"], plain_ref)  # loaded into the plain objects before prepare
-        _close(r["reload"], plain_ref)  # loaded after prepare (the next pull keeps it)
+        # loaded after prepare (the next pull keeps it); two synchronising backwards a step
+        _close(r["reload"], plain_ref)
 
 
 def test_published_addresses_names_a_store_that_does_not_answer(
