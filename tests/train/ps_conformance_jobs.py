@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gradhub
-from gradhub.train.strategies.ps.coordination import broadcast_json
+from gradhub.train.strategies.ps.coordination import broadcast_json, on_rank0
 
 WORLD = 2
 
@@ -230,17 +230,27 @@ def ps_sync_job(rank: int, world: int, address: str, saved: str) -> dict[str, An
     return out
 
 
-def broadcast_timeout_job(rank: int, world: int) -> str:
-    """Rank 1 never joins rank 0's broadcast: rank 0's error names it."""
+def broadcast_timeout_job(rank: int, world: int) -> tuple[str, str]:
+    """Rank 0's work fails: every rank raises, rank 1 naming rank 0. Then rank 1
+    never joins rank 0's broadcast: rank 0's error names it."""
     runtime = gradhub.init(timeout=2)
     try:
+
+        def fail() -> int:
+            raise ValueError("the servers refused the key")
+
+        try:
+            on_rank0(runtime, fail, "initialise the parameters on the servers", "ps-sync")
+            failed = "no error"
+        except Exception as exc:
+            failed = f"{type(exc).__name__}: {exc}"
         if rank == 1:
             time.sleep(4)
-            return ""
+            return failed, ""
         try:
             broadcast_json(runtime, {"plan": 1}, "restart of ps-sync: aligning the workers' steps")
         except gradhub.GradhubError as exc:
-            return f"{type(exc).__name__}: {exc}"
-        return "no error"
+            return failed, f"{type(exc).__name__}: {exc}"
+        return failed, "no error"
     finally:
         runtime.close()

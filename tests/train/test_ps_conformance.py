@@ -121,8 +121,13 @@ def test_published_addresses_reads_the_store_or_names_a_bad_value(
 
 
 @pytest.mark.slow
-def test_a_bounded_broadcast_names_the_rank_that_did_not_join() -> None:
-    message = run_ranks(broadcast_timeout_job, 2, timeout=60)[0].value
+def test_rank0_failures_and_a_bounded_broadcast_name_the_rank() -> None:
+    zero, one = (r.value for r in run_ranks(broadcast_timeout_job, 2, timeout=60))
+    assert zero[0] == "ValueError: the servers refused the key"  # rank 0: its own error
+    assert one[0].startswith(
+        "GradhubError: rank 0 could not initialise the parameters on the servers (ps-sync)"
+    )
+    message = zero[1]
     assert message.startswith(CollectiveTimeoutError.__name__), message
     assert "waiting for rank(s) 1" in message and "aligning the workers' steps" in message
 
