@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch.distributed as dist
 
 import gradhub
@@ -36,14 +37,12 @@ def test_entry_point_registers_at_import_torch() -> None:
     assert proc.returncode == 0, proc.stderr
 
 
-def test_a_failing_registration_never_breaks_import_torch() -> None:
-    proc = _python(
-        "import torch.distributed as dist\n"
-        "def broken(*a, **k): raise RuntimeError('no')\n"
-        "dist.Backend._plugins.pop('GRADHUB', None)\n"
-        "dist.Backend.register_backend = broken\n"
-        "import gradhub_autoload\n"
-        "assert gradhub_autoload.register() is False\n"
-        "import gradhub\n"
-    )
-    assert proc.returncode == 0, proc.stderr
+def test_a_failing_registration_never_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    # What torch's autoloading calls must never raise (torch would turn it into
+    # a failed `import torch`): a torch whose register_backend fails.
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("no")
+
+    monkeypatch.delitem(dist.Backend._plugins, "GRADHUB")
+    monkeypatch.setattr(dist.Backend, "register_backend", broken)
+    assert gradhub_autoload.register() is False
