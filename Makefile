@@ -27,11 +27,12 @@ check: $(STAMP)
 test: check
 	$(BIN)/python -m pytest -W error --durations=15
 
-# torch's own distributed suite (DistributedTest._DistTestBase) on gloo and on
-# the gradhub backend, 2 ranks; long (hundreds of spawned cases). Counts in build/.
+# torch's own distributed suite (DistributedTest._DistTestBase) on gloo, on the
+# gradhub backend, and on gradhub under gloo's name (the cases torch gates on the
+# name "gloo"), 2 ranks; long (hundreds of spawned cases). Counts in build/.
 test-torch-dist: $(STAMP)
 	mkdir -p build
-	for b in gloo gradhub; do \
+	for b in gloo gradhub gradhub-as-gloo; do \
 		BACKEND=$$b WORLD_SIZE=2 TEMP_DIR=$$(mktemp -d) $(BIN)/python -m pytest -q -rs \
 			-p no:warnings -p no:cacheprovider --timeout 600 tests/backend/torch_dist_suite.py \
 			--junitxml=build/torch-dist-$$b.xml | tail -3; \
