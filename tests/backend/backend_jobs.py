@@ -62,6 +62,15 @@ def operations_match_gloo(rank: int, world_size: int) -> dict[str, Any]:
 
             same(f"all_reduce {dt} {op}", ar)
 
+    for op in (R.SUM, R.MAX, R.PRODUCT):
+
+        def coalesced(g: Any, op: Any = op) -> list[torch.Tensor]:
+            ts = [_data(rank + i, torch.float32, 10 + i) for i in range(3)]
+            dist.all_reduce_coalesced(ts, op=op, group=g)
+            return ts
+
+        same(f"all_reduce_coalesced {op}", coalesced)
+
     def strided(g: Any) -> list[torch.Tensor]:
         base = _data(rank, torch.float32, 2000).view(40, 50)
         t = base.t()  # not contiguous

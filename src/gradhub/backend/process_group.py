@@ -66,6 +66,10 @@ class GradhubProcessGroup(GroupBase):
 
         def call(pg: dist.ProcessGroup, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> Any:
             ops.premultiply(outs, red)
+            if name == "allreduce_coalesced":  # gloo's allreduce would reduce the list too
+                coalesced = dist.AllreduceCoalescedOptions()
+                coalesced.reduceOp = red.gloo_op()
+                return pg.allreduce_coalesced(outs, coalesced)
             options = dist.AllreduceOptions()
             options.reduceOp = red.gloo_op()
             return pg.allreduce(outs, options)
