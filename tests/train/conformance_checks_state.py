@@ -50,9 +50,7 @@ def check_checkpoint_before_prepare(ctx: Ctx) -> Any:
         opt.load_state_dict(copy.deepcopy(state))
         return opt
 
-    return compare(
-        ctx, model_from_checkpoint, optimizer_from_checkpoint, steps=2
-    )
+    return compare(ctx, model_from_checkpoint, optimizer_from_checkpoint, steps=2)
 
 
 @check(*ALL)
@@ -71,9 +69,7 @@ def check_checkpoint_after_prepare(ctx: Ctx) -> Any:
             model.load_state_dict(weights)
         opt.load_state_dict(copy.deepcopy(state))
 
-    return compare(
-        ctx, other_init, adamw_groups, steps=2, after_prepare=load
-    )
+    return compare(ctx, other_init, adamw_groups, steps=2, after_prepare=load)
 
 
 @check(*ALL)

@@ -338,4 +338,6 @@ def test_bf16_parameters(conformance: Any, strategy: str) -> None:
         for v in got:
             assert v["refused"]["typed"] and v["refused"]["help"], v["refused"]
     else:
-        matches_reference(outcome, "bf16_parameters", strategy, tol=0 if strategy == "allreduce" else 2e-2)
+        matches_reference(
+            outcome, "bf16_parameters", strategy, tol=0 if strategy == "allreduce" else 2e-2
+        )
