@@ -1,7 +1,7 @@
 """One collective operation in progress, and the future of one that runs later.
 
 :class:`Operation` carries an operation's name, sequence number and deadline
-(:meth:`gradhub.collective.group.CollectiveGroup.begin` makes one);
+(:meth:`gradhub.transports.group.CollectiveGroup.begin` makes one);
 :class:`CollectiveFuture` is what the group's worker thread hands back.
 """
 
@@ -30,6 +30,10 @@ class Operation:
     sequence: int
     timeout: float
     deadline: float
+    messages: int = 0
+    """Point-to-point messages this operation has tagged so far: an operation
+    made of several steps (an all-reduce's reduce-scatter and all-gather) gives
+    each message its own tag."""
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
