@@ -64,15 +64,15 @@ def run_steps(
         for m in range(micro):
             last = m == micro - 1
             x, y = batch(step, m, rank)
-            loss = forward(model, x, y) / micro
-            if inf_at == (step, rank):
-                loss = loss * float("inf")  # an overflow on this rank only
             quiet: Any = contextlib.nullcontext()
-            if accumulate == "attr":
+            if accumulate == "attr":  # before the forward, where DDP reads it
                 model.require_backward_grad_sync = last
             elif accumulate == "no_sync" and not last:
                 quiet = model.no_sync()
-            with quiet:
+            with quiet:  # forward and backward inside, as DDP's docs write it
+                loss = forward(model, x, y) / micro
+                if inf_at == (step, rank):
+                    loss = loss * float("inf")  # an overflow on this rank only
                 (scaler.scale(loss) if scaler is not None else loss).backward()
         if scaler is not None:
             scaler.unscale_(opt)
@@ -421,18 +421,22 @@ def check_join(ctx: Ctx) -> Any:
     """Rank 0 has 3 batches, rank 1 has 2: ``with model.join():`` as DDP's."""
     mine = 3 if ctx.rank == 0 else 2
 
-    def loop(model: Any, opt: Any) -> None:
-        with model.join():
-            for step in range(mine):
-                x, y = batch(step, 0, ctx.rank)
-                opt.zero_grad()
-                loss_of(model, x, y).backward()
-                opt.step()
+    def loop_body(model: Any, opt: Any) -> None:
+        for step in range(mine):
+            x, y = batch(step, 0, ctx.rank)
+            opt.zero_grad()
+            loss_of(model, x, y).backward()
+            opt.step()
 
     base = mlp()
     model, opt = ctx.prepare(base, sgd(base))
     try:
-        loop(model, opt)
+        joined = model.join()
+    except gradhub.GradhubError as exc:  # refused at the line, before any step
+        return {"refused_at_join": is_gradhub_error(exc)}
+    try:
+        with joined:
+            loop_body(model, opt)
     except gradhub.GradhubError as exc:
         ctx.dirty = True  # the other rank may be left in a collective
         return {"refused": is_gradhub_error(exc)}
@@ -440,7 +444,9 @@ def check_join(ctx: Ctx) -> Any:
     model.close()
     if ctx.strategy in SYNC:
         ref = mlp()
-        loop(ddp(ref), sgd(ref))
+        wrapped = ddp(ref)
+        with wrapped.join():
+            loop_body(wrapped, sgd(ref))
         out["reference"] = arrays(ref)
     return out
 

@@ -256,9 +256,15 @@ def test_hyperparameters_of_every_type(conformance: Any, strategy: str) -> None:
 @pytest.mark.parametrize("strategy", ALL)
 def test_join_uneven_inputs(conformance: Any, strategy: str) -> None:
     """``with model.join():`` with 3 batches on rank 0 and 2 on rank 1: DDP's result,
-    or a typed error naming rank 1 (the one that ran out)."""
+    or a typed error naming rank 1 (the one that ran out), or ``join()`` itself
+    refused at its line with a typed error that says what to write instead
+    (allreduce must run it)."""
     for v in values(conformance(strategy), "join"):
-        if "refused" in v:
+        if "refused_at_join" in v:
+            refused = v["refused_at_join"]
+            assert strategy != "allreduce", refused["message"]
+            assert refused["typed"] and refused["help"], refused
+        elif "refused" in v:
             assert v["refused"]["typed"] and "rank 1" in v["refused"]["message"], v["refused"]
         elif "reference" in v:
             same(v["gradhub"], v["reference"], atol(strategy), "join")
