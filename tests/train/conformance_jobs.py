@@ -192,6 +192,9 @@ def _group(store: Any, generation: int, rank: int, world: int) -> Iterator[Any]:
 def conformance_job(
     rank: int, world: int, strategy: str, servers: dict[str, str], only: list[str] | None = None
 ) -> dict[str, Any]:
+    # One torch thread per rank: two ranks share a 2-core machine, and spinning
+    # intra-op threads of one rank would stall the other's collectives.
+    torch.set_num_threads(1)
     import conformance_checks  # noqa: F401  (registers the checks)
     import conformance_checks_state  # noqa: F401
 

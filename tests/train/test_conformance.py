@@ -44,10 +44,10 @@ Outcome = list[RankResult]
 @pytest.fixture(scope="module")
 def servers() -> Iterator[dict[str, str]]:
     with (
-        start_server(ServerConfig(mode="sync", workers=2)) as s,
-        start_server(ServerConfig(mode="async", workers=2)) as a,
+        start_server(ServerConfig(mode="sync", workers=2), in_thread=True) as s,
+        start_server(ServerConfig(mode="async", workers=2), in_thread=True) as a,
         # Rank 0 steps alone in the per-worker checks: no staleness wait for rank 1.
-        start_server(ServerConfig(mode="ssp", workers=2, max_staleness=1000)) as p,
+        start_server(ServerConfig(mode="ssp", workers=2, max_staleness=1000), in_thread=True) as p,
     ):
         yield {"ps-sync": s.address, "ps-async": a.address, "ps-ssp": p.address}
 
