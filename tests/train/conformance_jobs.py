@@ -195,8 +195,9 @@ def conformance_job(
     # One torch thread per rank: two ranks share a 2-core machine, and spinning
     # intra-op threads of one rank would stall the other's collectives.
     torch.set_num_threads(1)
-    import conformance_checks  # noqa: F401  (registers the checks)
+    import conformance_checks  # noqa: F401  (registers the checks, in this order)
     import conformance_checks_state  # noqa: F401
+    import conformance_checks_surface  # noqa: F401
 
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"],
