@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from conformance_checks import adamw_groups, compare, run_steps
-from conformance_jobs import ALL, TIMEOUT, Ctx, Tagged, arrays, check, ddp, mlp
+from conformance_jobs import ALL, TIMEOUT, Ctx, Tagged, arrays, check, ddp, is_gradhub_error, mlp
 
 
 def pretrained() -> tuple[dict[str, Any], dict[str, Any]]:
@@ -70,6 +70,27 @@ def check_checkpoint_after_prepare(ctx: Ctx) -> Any:
         opt.load_state_dict(copy.deepcopy(state))
 
     return compare(ctx, other_init, adamw_groups, steps=2, after_prepare=load)
+
+
+@check(*ALL)
+def check_checkpoint_from_ddp(ctx: Ctx) -> Any:
+    """A checkpoint a DDP run wrote (imagenet saves the wrapped model's
+    ``state_dict()``: every key starts with ``module.``), loaded after ``prepare``
+    with the unchanged ``model.load_state_dict(checkpoint["state_dict"])``: DDP's
+    values, or a typed error saying what to write."""
+    weights, _ = pretrained()
+    base = other_init()
+    model, _ = ctx.prepare(base, adamw_groups(base))
+    tag = f"{model.module.tag}." if isinstance(model.module, Tagged) else ""
+    try:
+        model.load_state_dict({f"module.{tag}{k}": v for k, v in weights.items()})
+    except Exception as exc:  # the class is the result
+        return {"refused": is_gradhub_error(exc)}
+    loaded = model.state_dict()
+    return {
+        "gradhub": [loaded[f"{tag}{k}"].numpy().copy() for k in weights],
+        "reference": [v.numpy().copy() for v in weights.values()],
+    }
 
 
 @check(*ALL)

@@ -208,6 +208,17 @@ def test_state_loaded_after_prepare(conformance: Any, strategy: str) -> None:
 
 
 @pytest.mark.parametrize("strategy", ALL)
+def test_checkpoint_written_by_ddp(conformance: Any, strategy: str) -> None:
+    """``model.load_state_dict`` of a DDP run's checkpoint (``module.`` keys) after
+    prepare: DDP's values, or a typed error that says what to write instead."""
+    for v in values(conformance(strategy), "checkpoint_from_ddp"):
+        if "refused" in v:
+            assert v["refused"]["typed"] and v["refused"]["help"], v["refused"]
+        else:
+            same(v["gradhub"], v["reference"], 0.0, "loaded values")
+
+
+@pytest.mark.parametrize("strategy", ALL)
 def test_rank0_only_checkpoint(conformance: Any, strategy: str) -> None:
     """state_dict() on rank 0 alone returns without the other rank; the file loads
     into a plain model and AdamW and holds DDP's values."""
