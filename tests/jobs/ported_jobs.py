@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import importlib
 import io
+import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,4 +28,23 @@ def run_script(rank: int, world: int, script: str, argv: list[str], cwd: str) ->
     sys.path.insert(0, str(EXAMPLES))
     module = importlib.import_module(script)
     with contextlib.chdir(cwd), contextlib.redirect_stdout(io.StringIO()):
-        return module.main(argv)
+        result = module.main(argv)
+    _wait_for_every_rank(Path(cwd), rank, world)
+    return result
+
+
+def _wait_for_every_rank(folder: Path, rank: int, world: int, timeout: float = 60.0) -> None:
+    """Return once every rank's ``main`` returned (files, no store).
+
+    Under the harness rank 0 hosts the job's c10d store (under torchrun the
+    agent does): if it exited first, another rank still tearing its process
+    group down (``destroy_process_group()`` at the end of the script) would
+    wait for a store that is gone.
+    """
+    port = os.environ["MASTER_PORT"]
+    (folder / f".done-{port}-{rank}").touch()
+    deadline = time.monotonic() + timeout
+    while not all((folder / f".done-{port}-{r}").exists() for r in range(world)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"ranks of the job on port {port} did not all finish")
+        time.sleep(0.02)
