@@ -358,12 +358,13 @@ def _adam_everything(model: Any) -> torch.optim.Optimizer:
 @check(*ALL)
 def check_hyperparameters(ctx: Ctx) -> Any:
     """Adam with tuples and bools (``betas``, ``amsgrad``); after 2 steps the script
-    changes ``betas`` and ``eps``; 2 more steps."""
+    changes ``betas``, ``eps`` and ``lr``; 2 more steps."""
 
     def change(step: int, opt: Any) -> None:
         if step == 1:
             for group in opt.param_groups:
                 group["betas"] = (0.5, 0.6)
                 group["eps"] = 1e-3
+                group["lr"] = 0.005  # as nanoGPT's schedule sets it
 
     return compare(ctx, mlp, _adam_everything, steps=4, after_step=change)
