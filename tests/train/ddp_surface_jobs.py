@@ -87,6 +87,7 @@ def both(
     optimizers: Callable[[nn.Module], list[torch.optim.Optimizer]] = adamw,
     ddp: dict[str, Any] | None = None,
     hook: Any = None,
+    hook_state: Callable[[], Any] = lambda: None,
 ) -> dict[str, Any]:
     """Run ``loop`` under DDP and under gradhub; the largest difference and both states."""
     out: dict[str, Any] = {}
@@ -99,12 +100,12 @@ def both(
                 warnings.simplefilter("ignore", FutureWarning)
                 model: Any = DDP(base, **{"find_unused_parameters": True, **(ddp or {})})
             if hook is not None:
-                model.register_comm_hook(None, getattr(hook, "for_ddp", hook))
+                model.register_comm_hook(hook_state(), getattr(hook, "for_ddp", hook))
             loop(model, opts, rank)
         else:
             model, prepared = gradhub.prepare(base, opts, **(ddp or {}))
             if hook is not None:
-                model.register_comm_hook(None, hook)
+                model.register_comm_hook(hook_state(), hook)
             with model:
                 loop(model, prepared, rank)
         out[kind] = state_of(base)
