@@ -208,7 +208,7 @@ def tensor_frame(tensor: torch.Tensor) -> memoryview | bytes:
         return b""
     if t.dtype in _NUMPY_DTYPES and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
         # One call instead of three torch views: the bytes of a dtype numpy knows.
-        return memoryview(t.numpy()).cast("B")
+        return memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]
     t = t.contiguous().reshape(-1).view(torch.uint8)
     return memoryview(t.numpy())  # type: ignore[arg-type]
 
