@@ -6,7 +6,7 @@ as the slower rank's time from a common barrier:
 
 - ``ring ...`` / ``shm ...``: the same gradhub call on a group whose transport
   is the gloo ring (:mod:`gradhub.collective.ring`) or shared memory
-  (:mod:`gradhub.collective.shm`), side by side:
+  (:mod:`gradhub.transports.shm`), side by side:
   - ``RS+AG fp32``: :func:`gradhub.collective.reduce_scatter` then
     :func:`gradhub.collective.all_gather`, codec ``"none"``, into separate outputs;
   - ``RS+AG fp32 in place``: the reduce-scatter writes the input's own slice and

@@ -233,7 +233,7 @@ def tx_bytes() -> int:
 
 def worker(args: argparse.Namespace) -> None:
     import gradhub
-    from gradhub.collective.transport import chosen
+    from gradhub.transports.choice import chosen
 
     torch.set_num_threads(1)
     secret = Path(args.secret_file).read_bytes().strip()

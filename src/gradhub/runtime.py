@@ -9,7 +9,7 @@ Every subsystem joins the job through this module:
   restarted worker that it is one) and nothing else, sets up the default
   process group (gloo on CPU, NCCL on GPU) and returns a :class:`Runtime`
   that strategies and the trainer take their rank, device, store and
-  :class:`~gradhub.collective.group.CollectiveGroup` from.
+  :class:`~gradhub.transports.group.CollectiveGroup` from.
 - :func:`init_process_group_from_env` does the same for code that only needs
   the group; :func:`local_group` sets one up on 127.0.0.1 with a given port,
   without touching the environment (tests, examples, benchmarks).
@@ -46,9 +46,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradhub.collective.group import CollectiveGroup, default_store
-from gradhub.collective.transport import requested as requested_transport
 from gradhub.errors import ClosedError, LaunchEnvironmentError, RendezvousError
+from gradhub.transports.choice import requested as requested_transport
+from gradhub.transports.group import CollectiveGroup, default_store
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ def init_process_group_from_env(
     every operation. If the default group already exists it is wrapped (with
     its own timeout unless ``timeout`` is given), so calling this twice is
     harmless. ``transport``: how the group's reduce-scatter and all-gather
-    travel (see :mod:`gradhub.collective.transport`; default:
+    travel (see :mod:`gradhub.transports.choice`; default:
     ``GRADHUB_TRANSPORT``, else chosen from where the ranks are). The caller
     owns the returned group: close it (or ``with``).
     """
@@ -220,7 +220,7 @@ def local_group(
     For tests, examples and benchmarks: every rank calls it with the same
     ``world_size`` and ``port`` (see :func:`free_loopback_port`). Use it as a
     context manager to tear the group down. ``timeout`` defaults to
-    :data:`DEFAULT_TIMEOUT`. ``transport``: see :mod:`gradhub.collective.transport`
+    :data:`DEFAULT_TIMEOUT`. ``transport``: see :mod:`gradhub.transports.choice`
     (default: ``GRADHUB_TRANSPORT``, else shared memory on one host, the ring across hosts).
     """
     if not 0 <= rank < world_size:
@@ -340,7 +340,7 @@ def init(
     up already); a rank that stops answering makes the others fail within it
     instead of hanging. ``transport`` picks how gradients travel between the
     ranks (``"shm"``, ``"hierarchical"``, ``"ring"``, ``"gloo"``; see
-    :mod:`gradhub.collective.transport`); by default ``GRADHUB_TRANSPORT``,
+    :mod:`gradhub.transports.choice`); by default ``GRADHUB_TRANSPORT``,
     else shared memory on one host and the hierarchical path or the ring
     across hosts. Every strategy of the job uses it.
     """

@@ -23,13 +23,15 @@ import pytest
 import torch
 
 from gradhub import codecs
-from gradhub.collective import all_gather, all_reduce, local_group, reduce_scatter, shm, transport
-from gradhub.collective.hierarchical import fits
-from gradhub.collective.hosts import HostLayout
-from gradhub.collective.schedule import reduction_order
+from gradhub._shm.hosts import HostLayout
+from gradhub.collective import all_gather, all_reduce, local_group, reduce_scatter
 from gradhub.errors import WorkerFailedError
 from gradhub.partition import partition_ranges
 from gradhub.train import reducers
+from gradhub.transports import choice as transport
+from gradhub.transports import shm
+from gradhub.transports.hierarchical import fits
+from gradhub.transports.schedule import reduction_order
 from harness import free_port, run_ranks
 from train_helpers import counting_backend_all_reduce
 
@@ -49,7 +51,7 @@ def rank_values(size: int, rank: int) -> torch.Tensor:
 
 
 def hierarchical_reference(size: int) -> torch.Tensor:
-    """The fp32 sum in the hierarchical order (see gradhub.collective.hierarchical):
+    """The fp32 sum in the hierarchical order (see gradhub.transports.hierarchical):
     each host's values folded in the local ring order of the slice's owner, then
     the host sums folded in the ring order between hosts."""
     values = [rank_values(size, r) for r in range(4)]

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from gradhub import codecs
-from gradhub.collective import all_gather, local_group, reduce_scatter, schedule
+from gradhub.collective import all_gather, local_group, reduce_scatter
 from gradhub.partition import partition_ranges
+from gradhub.transports import schedule
 from harness import free_port, run_ranks
 
 CODECS = ["none", "fp16", "bf16", "bf16-truncate"]

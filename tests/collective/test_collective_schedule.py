@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gradhub.collective import schedule
 from gradhub.partition import partition_ranges
+from gradhub.transports import schedule
 
 
 def simulate_reduce_scatter(values: list[list[str]], world_size: int) -> list[list[str]]:

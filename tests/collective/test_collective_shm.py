@@ -25,11 +25,11 @@ from gradhub.collective import (
     all_reduce,
     local_group,
     reduce_scatter,
-    shm,
-    transport,
 )
 from gradhub.errors import CollectiveTimeoutError, WorkerFailedError
 from gradhub.partition import partition_ranges
+from gradhub.transports import choice as transport
+from gradhub.transports import shm
 from harness import free_port, run_ranks
 
 CODECS = ["none", "fp16", "bf16", "bf16-truncate"]

@@ -36,9 +36,10 @@ sys.path.insert(
 )
 
 import gradhub
-from gradhub.collective import all_reduce, transport
+from gradhub.collective import all_reduce
 from gradhub.ps.config import read_secret_file
 from gradhub.train.strategies import make_strategy
+from gradhub.transports import choice as transport
 from train_helpers import fixed_data, tiny_model
 
 GLOBAL_BATCH = 16

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import gradhub
-from gradhub.collective import transport
+from gradhub.transports import choice as transport
 from train_helpers import counting_backend_all_reduce
 
 ModelMaker = Callable[[], nn.Module]

@@ -12,8 +12,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import gradhub
-from gradhub.collective import transport
 from gradhub.powersgd import PowerSGD, orthonormalize_
+from gradhub.transports import choice as transport
 from harness import run_ranks
 from train_helpers import counting_backend_all_reduce
 

@@ -47,7 +47,6 @@ import zlib
 import torch
 
 from gradhub import codecs
-from gradhub.collective.group import CollectiveFuture, CollectiveGroup
 from gradhub.collective.ring import (
     DEFAULT_PIPELINE_ELEMENTS,
     Group,
@@ -56,6 +55,7 @@ from gradhub.collective.ring import (
 )
 from gradhub.errors import ClosedError, ShapeMismatchError, StateError
 from gradhub.partition import partition_range, partition_ranges
+from gradhub.transports.group import CollectiveFuture, CollectiveGroup
 from gradhub.trees import Tree, TreeSpec, as_tree
 
 _log = logging.getLogger("gradhub.collective")

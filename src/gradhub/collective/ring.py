@@ -57,15 +57,15 @@ import torch
 import torch.distributed as dist
 
 from gradhub import codecs
-from gradhub.collective.group import CollectiveFuture, CollectiveGroup, Operation
-from gradhub.collective.hierarchical import HierarchicalTransport
-from gradhub.collective.p2p_ring import ring_all_gather, ring_reduce_scatter
-from gradhub.collective.schedule import (
-    reduction_order,
-)
-from gradhub.collective.transport import chosen, select
 from gradhub.errors import ShapeMismatchError
 from gradhub.partition import partition_ranges
+from gradhub.transports.choice import chosen, select
+from gradhub.transports.group import CollectiveFuture, CollectiveGroup, Operation
+from gradhub.transports.hierarchical import HierarchicalTransport
+from gradhub.transports.p2p_ring import ring_all_gather, ring_reduce_scatter
+from gradhub.transports.schedule import (
+    reduction_order,
+)
 
 DEFAULT_PIPELINE_ELEMENTS = 1 << 21
 """Elements per message (8 MiB of fp32). Large enough that per-message costs

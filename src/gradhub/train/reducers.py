@@ -54,7 +54,7 @@ What ``"fp16"`` / ``"bf16"`` mean:
   the slice, and every rank decodes those 16-bit values: the same bits
   everywhere, and values that 16 bits can hold. Across hosts the host sums
   are fp32 and only the hop between hosts is 16-bit (see
-  :mod:`gradhub.collective.hierarchical`);
+  :mod:`gradhub.transports.hierarchical`);
 - without it: the bucket is rounded to 16 bits and summed in 16 bits by the
   backend (gloo adds in half precision), as DDP's ``fp16_compress_hook``
   does; every rank receives the same 16-bit sum.

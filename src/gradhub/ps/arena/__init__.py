@@ -1,9 +1,9 @@
 """Same-host payloads of the parameter server: a shared arena beside ZeroMQ.
 
-When a client and a server share a host (:func:`gradhub.collective.hosts.host_identity`:
+When a client and a server share a host (:func:`gradhub._shm.hosts.host_identity`:
 hostname, boot id and network namespace), tensor payloads of at least
 ``min_bytes`` do not travel through ZeroMQ. They lie in anonymous ``memfd``
-segments (:mod:`gradhub.collective.shm_memory`) that the client creates and
+segments (:mod:`gradhub._shm.memory`) that the client creates and
 hands to the server over a Unix socket (``socket.send_fds``, abstract name),
 and the ZeroMQ message carries a locator (segment, offset, length) in place of
 the bytes. ZeroMQ still carries every request and reply, their signatures and
@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import os
 
-from gradhub.collective.shm_memory import supported
+from gradhub._shm.memory import supported
 from gradhub.ps.arena.client import DEFAULT_CACHE_BYTES, DEFAULT_MIN_BYTES, ClientArena, Slot
 from gradhub.ps.arena.server import ServerArenas
 

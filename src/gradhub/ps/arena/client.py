@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from gradhub.collective.hosts import host_identity
-from gradhub.collective.shm_memory import Mapping, new_segment
+from gradhub._shm.hosts import host_identity
+from gradhub._shm.memory import Mapping, new_segment
 from gradhub.errors import ProtocolError, WorkerFailedError
 from gradhub.ps.arena.wire import BYE, CREDS, FORGET, ID, NEW, REGISTER, SEGMENT, registration_mac
 from gradhub.ps.link import MUTATING, Request

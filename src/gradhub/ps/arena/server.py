@@ -17,8 +17,8 @@ from typing import Any
 import torch
 import zmq
 
-from gradhub.collective.hosts import host_identity
-from gradhub.collective.shm_memory import Mapping
+from gradhub._shm.hosts import host_identity
+from gradhub._shm.memory import Mapping
 from gradhub.errors import ProtocolError
 from gradhub.ps.arena.wire import BYE, CREDS, FORGET, ID, NEW, REGISTER, SEGMENT, registration_mac
 from gradhub.ps.protocol import ARENA_LOCATOR

@@ -2,13 +2,13 @@
 
 Each rank sends (P-1)/P of the bytes to its right-hand neighbour in pipelined
 chunks; the chunk schedule and the fixed summation order come from
-:mod:`gradhub.collective.schedule`, so every rank's result is bit-identical
+:mod:`gradhub.transports.schedule`, so every rank's result is bit-identical
 run to run. :mod:`gradhub.collective.ring` picks this path (or another) per
 operation; these functions run on the group's worker thread.
 
 ``members``: the group ranks that form the ring, in ring order (default:
 every rank, ascending); chunk ``c`` of ``ranges`` is the slice of
-``members[c]``. :mod:`gradhub.collective.hierarchical` runs one ring per
+``members[c]``. :mod:`gradhub.transports.hierarchical` runs one ring per
 column of ranks across hosts this way.
 """
 
@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from gradhub import codecs
-from gradhub.collective.group import CollectiveGroup, Operation
-from gradhub.collective.schedule import (
+from gradhub.transports.group import CollectiveGroup, Operation
+from gradhub.transports.schedule import (
     all_gather_recv_chunk,
     message_tag,
     reduce_scatter_recv_chunk,

@@ -1,7 +1,7 @@
 """One collective operation in progress, and the future of one that runs later.
 
 :class:`Operation` carries an operation's name, sequence number and deadline
-(:meth:`gradhub.collective.group.CollectiveGroup.begin` makes one);
+(:meth:`gradhub.transports.group.CollectiveGroup.begin` makes one);
 :class:`CollectiveFuture` is what the group's worker thread hands back.
 """
 

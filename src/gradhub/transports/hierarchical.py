@@ -65,11 +65,11 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from gradhub import codecs
-from gradhub.collective.group import CollectiveGroup, Operation
-from gradhub.collective.hosts import HostLayout
-from gradhub.collective.p2p_ring import ring_all_gather, ring_reduce_scatter
-from gradhub.collective.shm import ShmTransport
+from gradhub._shm.hosts import HostLayout
 from gradhub.errors import WorkerFailedError
+from gradhub.transports.group import CollectiveGroup, Operation
+from gradhub.transports.p2p_ring import ring_all_gather, ring_reduce_scatter
+from gradhub.transports.shm import ShmTransport
 
 _PLAIN = codecs.NoCompression()
 

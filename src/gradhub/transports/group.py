@@ -62,13 +62,13 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from gradhub.collective.operation import CollectiveFuture, Operation
 from gradhub.errors import (
     ClosedError,
     CollectiveTimeoutError,
     StateError,
     WorkerFailedError,
 )
+from gradhub.transports.operation import CollectiveFuture, Operation
 
 __all__ = ["CollectiveFuture", "CollectiveGroup", "Operation"]
 

@@ -64,10 +64,8 @@ from collections.abc import Sequence
 import torch
 
 from gradhub import codecs
-from gradhub.collective.group import CollectiveGroup, Operation
-from gradhub.collective.hosts import wait_for_keys
-from gradhub.collective.schedule import add_in_order, reduction_order
-from gradhub.collective.shm_memory import (
+from gradhub._shm.hosts import wait_for_keys
+from gradhub._shm.memory import (
     Mapping,
     forgetting_views,
     futex_wait,
@@ -77,6 +75,8 @@ from gradhub.collective.shm_memory import (
     supported,
 )
 from gradhub.errors import CollectiveTimeoutError, WorkerFailedError
+from gradhub.transports.group import CollectiveGroup, Operation
+from gradhub.transports.schedule import add_in_order, reduction_order
 
 _log = logging.getLogger("gradhub.collective")
 

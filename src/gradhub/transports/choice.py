@@ -38,11 +38,11 @@ import os
 
 import torch.distributed as dist
 
-from gradhub.collective import shm
-from gradhub.collective.group import CollectiveGroup, Operation
-from gradhub.collective.hierarchical import HierarchicalTransport, fits
-from gradhub.collective.hosts import HostLayout, exchange, host_identity
-from gradhub.collective.shm_memory import supported as shm_supported
+from gradhub._shm.hosts import HostLayout, exchange, host_identity
+from gradhub._shm.memory import supported as shm_supported
+from gradhub.transports import shm
+from gradhub.transports.group import CollectiveGroup, Operation
+from gradhub.transports.hierarchical import HierarchicalTransport, fits
 
 _log = logging.getLogger("gradhub.collective")
 
