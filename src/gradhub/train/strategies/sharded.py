@@ -38,7 +38,8 @@ Decisions:
   written, and the result is DDP's. The price is one more all-gather per
   step (of the gradient, ``(P-1)/P`` of its bytes per rank) and a full
   gradient in memory on every rank, as under DDP. ``gradhub.clip_grad_norm_``
-  is torch's clip on these gradients (the same on every rank).
+  is torch's clip over ``model.parameters()`` (the same bits as the
+  script's own torch line, and the same on every rank).
 - With a wire codec the gradient all-gather uses the gradient's codec too:
   the owner's slice is encoded and every rank, the owner included, decodes
   the same bytes, so every rank holds the same bits and the owner steps
@@ -316,6 +317,14 @@ class ShardedStrategy(Strategy):
             if used > 0 and (p.grad is None or p.grad.data_ptr() != view.data_ptr()):
                 p.grad = view
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """torch's clip over ``model.parameters()`` (its order: the same bits as
+        the script's own ``torch.nn.utils.clip_grad_norm_`` line)."""
+        assert self.model is not None
+        return torch.nn.utils.clip_grad_norm_(
+            list(self.model.parameters()), max_norm, norm_type=norm_type
+        )
+
     def use_loss_scaling(self) -> None:
         assert self._arp is not None
         if isinstance(self._arp.gradient_codec, codecs.FP16):
@@ -334,6 +343,12 @@ class ShardedStrategy(Strategy):
             grads.append(grad)
         self._opt.step_pieces(grads)
         self._arp.get_weights(self._flat).wait()
+
+    def _apply_unsynced(self) -> None:
+        """``step`` with no backward since the last one: as DDP, on what ``.grad``
+        holds (the combined gradient, the same bits on every rank, or None)."""
+        self._apply()
+        self._step_done()
 
     # the full optimizer state ------------------------------------------------------
 
