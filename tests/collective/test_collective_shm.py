@@ -246,7 +246,7 @@ def cycles_job(rank: int, world_size: int, port: int, cycles: int) -> dict[str, 
                 s, n = partition_ranges(x.numel(), world_size)[rank]
                 out = torch.empty(n)
                 owned = [[c] for c in partition_ranges(5000, 2)]
-                t.reduce_scatter(op, x, codecs.get("none"), owned, out, hop=True)
+                t.reduce_scatter_segments(op, x, codecs.get("none"), owned, out, hop=True)
                 assert torch.equal(out, 2 * x[s : s + n])
             finally:
                 t.close()

@@ -1,50 +1,20 @@
-"""Reduce-scatter and all-gather with compressed wire data.
+"""Reduce-scatter, all-gather and all-reduce on a group's transport.
 
 ``reduce_scatter(x)`` leaves rank ``r`` with the sum over ranks of its own
 slice of ``x`` (slices per :func:`gradhub.partition.partition_range`, uneven
 and empty slices included); ``all_gather(slice, size)`` puts every rank's
-slice together again. Both are bounded by the group's timeout.
+slice together again; ``all_reduce(x)`` sums ``x`` in place. Each is bounded
+by the group's timeout (or ``timeout=``).
 
-gloo: a ring of point-to-point ``isend``/``irecv`` (:mod:`.schedule`). Each
-rank sends ``(P-1)/P`` of the bytes once per collective, to its right-hand
-neighbour only. gloo's own reduce-scatter is built from one all-reduce per
-rank, which is why it is not used.
-
-- Every receive of an operation is posted before the first send, so no
-  message waits for its receiver to get ready.
-- Chunks are cut into messages of at most ``pipeline_elements`` elements: a
-  rank adds (or forwards) one message while the next one is on the wire.
-- Wire data is in the codec's type. Each hop decodes, adds its own fp32 values
-  in fp32, and encodes the partial sum once for the next hop; the owner adds
-  its values last and keeps the fp32 sum. With ``"fp16"`` every contribution
-  is divided by ``P`` before it is encoded, so partial sums stay within the
-  half range, and the result is multiplied back by ``P``: the functions
-  always return the plain sum. With a lossy codec, the error of the sum is
-  at most ``(P - 1) * relative_error * sum(|x_i|)`` (one rounding per hop).
-- The all-gather forwards wire bytes unchanged, and every rank, the owner
-  included, decodes the same bytes: all ranks end with the same bits.
-- Summation order is fixed (:func:`.schedule.reduction_order`), so the result
-  is bit-identical run to run and on every rank.
-
-Small vectors (at most :data:`SMALL_BYTES` on the wire) on gloo, and every
-lossy codec on NCCL, use collectives instead: the reduce-scatter is one
-``all_to_all_single`` of encoded slices (the same (P-1)/P of the bytes)
-followed by an fp32 sum in :func:`.schedule.reduction_order`, which for
-``"none"`` gives the ring's bits exactly and for lossy codecs rounds once
-instead of once per hop; the all-gather is ``all_gather_single`` of padded
-slices. gloo's point-to-point messages have a high fixed cost (see
-:data:`SMALL_BYTES`), its collectives do not.
-
-NCCL with ``"none"``: the native reduce-scatter (``reduce_scatter_single``;
-``reduce_scatter_tensor`` before torch 2.13), slices padded to equal length;
-its summation order is NCCL's (deterministic for a fixed topology), not the
-ring's. With a lossy codec NCCL would add in the wire type, hence the
-``all_to_all_single`` path above.
-
-The group's transport (:mod:`.transport`) may send the operation through
-shared memory (:mod:`.shm`, one host) or the hierarchical path
-(:mod:`.hierarchical`: shared memory inside each host, the point-to-point
-ring between hosts at every size) instead.
+How the bytes travel is the group's transport's business
+(:mod:`gradhub.transports`: the gloo ring, shared memory, hierarchical, the
+backend's own collectives; chosen once per group by
+:mod:`gradhub.transports.choice`); this module only checks the arguments,
+begins the operation and hands it to :class:`~gradhub.transports.base.Transport`.
+The summation order and the rounding of lossy codecs are the transport's
+contract (:mod:`gradhub.transports.base`): on the ring, shared memory and one
+rank, the same bits, fixed run to run and on every rank. The functions
+always return the plain sum (``"fp16"``'s scaling is undone).
 
 Operations run on the group's worker thread in the order they are called
 (:meth:`CollectiveGroup.submit`), so several callers cannot interleave
@@ -59,33 +29,23 @@ import torch.distributed as dist
 from gradhub import codecs
 from gradhub.errors import ShapeMismatchError
 from gradhub.partition import partition_ranges
-from gradhub.transports.choice import chosen, select
-from gradhub.transports.group import CollectiveFuture, CollectiveGroup, Operation
-from gradhub.transports.hierarchical import HierarchicalTransport
-from gradhub.transports.p2p_ring import ring_all_gather, ring_reduce_scatter
-from gradhub.transports.schedule import (
-    reduction_order,
-)
+from gradhub.transports import choice
+from gradhub.transports.base import DEFAULT_PIPELINE_ELEMENTS, SMALL_BYTES, Chunking
+from gradhub.transports.group import CollectiveFuture, CollectiveGroup
 
-DEFAULT_PIPELINE_ELEMENTS = 1 << 21
-"""Elements per message (8 MiB of fp32). Large enough that per-message costs
-vanish, small enough that adding overlaps the transfer; see
-``benchmarks/collectives.py``. Every rank must use the same value."""
-
-SMALL_BYTES = 4 << 20
-"""Vectors of at most this many wire bytes use the backend's own collectives
-(``all_to_all_single`` + ``all_gather_single``) on gloo too: gloo's
-point-to-point messages cost ~3 ms each way back to back on the 2-core
-benchmark machine, where its collectives cost well under 1 ms; from about 4M
-fp32 elements on, the ring's halved bytes win. See ``benchmarks/collectives.py``.
-Every rank must use the same value."""
+__all__ = [
+    "DEFAULT_PIPELINE_ELEMENTS",
+    "SMALL_BYTES",
+    "Group",
+    "all_gather",
+    "all_reduce",
+    "reduce_scatter",
+    "run_all_gather",
+    "run_all_reduce",
+    "run_reduce_scatter",
+]
 
 Group = CollectiveGroup | dist.ProcessGroup | None
-
-# torch 2.13 renamed the tensor collectives (the old names warn); older torch
-# has only the old names.
-_reduce_scatter_native = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather_native = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 # ----------------------------------------------------------------- public API
@@ -208,29 +168,15 @@ def run_all_reduce(
     timeout: float | None = None,
     pipeline: int = DEFAULT_PIPELINE_ELEMENTS,
     small_bytes: int = SMALL_BYTES,
+    name: str = "all_reduce",
 ) -> torch.Tensor:
     """The in-place all-reduce of ``flat``; call it on the group's worker thread."""
-    plain = isinstance(codec, codecs.NoCompression)
-    if group.world_size > 1 and plain and chosen(group) == "gloo":
-        op = group.begin("all_reduce", timeout)
-        group.wait(op, dist.all_reduce(flat, group=group.process_group, async_op=True), None)
-        return flat
-    start, length = partition_ranges(flat.numel(), group.world_size)[group.rank]
-    own = flat[start : start + length]
-    run_reduce_scatter(
-        group, flat, codec, out=own, timeout=timeout, pipeline=pipeline, small_bytes=small_bytes
+    op = group.begin(name, timeout, check_in=choice.checks_in(group))
+    transport = choice.select(group, op)
+    transport.all_reduce(
+        op, flat, codec, Chunking(pipeline_elements=pipeline, small_bytes=small_bytes)
     )
-    wire = own if plain else codec.encode(own)
-    return run_all_gather(
-        group,
-        wire,
-        flat.numel(),
-        codec,
-        out=flat,
-        timeout=timeout,
-        pipeline=pipeline,
-        small_bytes=small_bytes,
-    )
+    return flat
 
 
 def run_reduce_scatter(
@@ -254,35 +200,11 @@ def run_reduce_scatter(
     """
     if ranges is None:
         ranges = partition_ranges(flat.numel(), group.world_size)
-    start, length = ranges[group.rank]
-    out = _check_out(out, length, flat.device)
-    # shared memory's own counters say who entered: no store round trip
-    op = group.begin(name, timeout, check_in=chosen(group) != "shm")
-    flat_out = out.view(-1)
-    if group.world_size == 1:
-        flat_out.copy_(flat[start : start + length])
-        return out
-    plain = isinstance(codec, codecs.NoCompression)
-    path, shared = select(group, op)
-    small = path == "gloo" or flat.numel() * codec.bytes_per_element <= small_bytes
-    if isinstance(shared, HierarchicalTransport):
-        shared.reduce_scatter(op, flat, codec, ranges, flat_out, pipeline)
-    elif shared is not None:
-        shared.reduce_scatter(op, flat, codec, [[c] for c in ranges], flat_out, hop=not small)
-    elif group.backend == "nccl" and plain:
-        _native_reduce_scatter(group, op, flat, ranges, flat_out)
-    elif group.backend == "nccl" or small:
-        _exchange_reduce_scatter(group, op, flat, codec, ranges, flat_out)
-    else:
-        prescale = codec.wire_dtype == torch.float16
-        x = flat
-        if prescale:
-            x = torch.div(
-                flat, group.world_size, out=group.scratch("prescale", flat.numel(), flat.dtype)
-            )
-        ring_reduce_scatter(group, op, x, codec, ranges, pipeline, flat_out)
-        if prescale:
-            out.mul_(group.world_size)
+    out = _check_out(out, ranges[group.rank][1], flat.device)
+    op = group.begin(name, timeout, check_in=choice.checks_in(group))
+    transport = choice.select(group, op)
+    chunking = Chunking(pipeline_elements=pipeline, small_bytes=small_bytes)
+    transport.reduce_scatter(op, flat, codec, ranges, out.view(-1), chunking)
     return out
 
 
@@ -303,112 +225,17 @@ def run_all_gather(
     Returns ``out`` (or a new fp32 vector of ``size``) holding every decoded slice.
     """
     ranges = partition_ranges(size, group.world_size)
-    start, length = ranges[group.rank]
+    length = ranges[group.rank][1]
     if own_wire.numel() != length:
         raise ShapeMismatchError(
             f"<partition of rank {group.rank}>", [length], [own_wire.numel()], "length"
         )
     out = _check_out(out, size, group.device)
-    # shared memory's own counters say who entered: no store round trip
-    op = group.begin(name, timeout, check_in=chosen(group) != "shm")
-    if group.world_size == 1:
-        out.view(-1)[start : start + length].copy_(codec.decode(own_wire))
-        return out
-    path, shared = select(group, op)
-    if isinstance(shared, HierarchicalTransport):
-        shared.all_gather(op, own_wire, codec, ranges, out.view(-1), pipeline)
-        return out
-    if shared is not None:
-        shared.all_gather(op, own_wire, codec, [[c] for c in ranges], out.view(-1))
-        return out
-    if path == "gloo" or group.backend == "nccl" or size * codec.bytes_per_element <= small_bytes:
-        _collective_all_gather(group, op, own_wire, out, codec, ranges)
-        return out
-    direct = codec.wire_dtype == torch.float32
-    wire = out.view(-1) if direct else group.scratch("all_gather", size, codec.wire_dtype)
-    wire[start : start + length].copy_(own_wire)
-    ring_all_gather(group, op, wire, ranges, pipeline)
-    if not direct:
-        out.view(-1).copy_(codec.decode(wire))
+    op = group.begin(name, timeout, check_in=choice.checks_in(group))
+    transport = choice.select(group, op)
+    chunking = Chunking(pipeline_elements=pipeline, small_bytes=small_bytes)
+    transport.all_gather(op, own_wire, codec, ranges, out.view(-1), chunking)
     return out
-
-
-# ---------------------------------------- collective-based (NCCL, small on gloo)
-def _padded(ranges: list[tuple[int, int]]) -> int:
-    return max(n for _, n in ranges)
-
-
-def _native_reduce_scatter(
-    group: CollectiveGroup,
-    op: Operation,
-    x: torch.Tensor,
-    ranges: list[tuple[int, int]],
-    out: torch.Tensor,
-) -> None:
-    """NCCL's own fp32 reduce-scatter (slices padded to equal length)."""
-    P, r = group.world_size, group.rank
-    width = _padded(ranges)
-    send = x
-    if any(n != width for _, n in ranges):
-        send = group.scratch("rs_padded", P * width, torch.float32).zero_()
-        for c, (s, n) in enumerate(ranges):
-            send[c * width : c * width + n].copy_(x[s : s + n])
-    result = group.scratch("rs_result", width, torch.float32)
-    work = _reduce_scatter_native(result, send, group=group.process_group, async_op=True)
-    group.wait(op, work, None)
-    out.copy_(result[: ranges[r][1]])
-
-
-def _exchange_reduce_scatter(
-    group: CollectiveGroup,
-    op: Operation,
-    x: torch.Tensor,
-    codec: codecs.Codec,
-    ranges: list[tuple[int, int]],
-    out: torch.Tensor,
-) -> None:
-    """Reduce-scatter as one ``all_to_all_single`` of encoded slices (each rank
-    receives every rank's copy of its own slice: (P-1)/P of the bytes), then an
-    fp32 sum in :func:`.schedule.reduction_order`. For "none" that is the ring's
-    order, so the two paths give the same bits."""
-    P, r = group.world_size, group.rank
-    length = ranges[r][1]
-    send = x if isinstance(codec, codecs.NoCompression) else codec.encode(x)
-    inbox = group.scratch("rs_inbox", P * length, codec.wire_dtype)
-    work = dist.all_to_all_single(
-        inbox,
-        send,
-        output_split_sizes=[length] * P,
-        input_split_sizes=[n for _, n in ranges],
-        group=group.process_group,
-        async_op=True,
-    )
-    group.wait(op, work, None)
-    order = reduction_order(r, P)
-    out.copy_(codec.decode(inbox[order[0] * length : (order[0] + 1) * length]))
-    for j in order[1:]:
-        out.add_(codec.decode(inbox[j * length : (j + 1) * length]))
-
-
-def _collective_all_gather(
-    group: CollectiveGroup,
-    op: Operation,
-    own_wire: torch.Tensor,
-    out: torch.Tensor,
-    codec: codecs.Codec,
-    ranges: list[tuple[int, int]],
-) -> None:
-    """All-gather with the backend's own collective (slices padded to equal length)."""
-    P = group.world_size
-    width = _padded(ranges)
-    mine = group.scratch("ag_mine", width, codec.wire_dtype)
-    mine[: own_wire.numel()].copy_(own_wire)
-    gathered = group.scratch("ag_gathered", P * width, codec.wire_dtype)
-    work = _all_gather_native(gathered, mine, group=group.process_group, async_op=True)
-    group.wait(op, work, None)
-    flat = out.view(-1)
-    for c, (s, n) in enumerate(ranges):
-        flat[s : s + n].copy_(codec.decode(gathered[c * width : c * width + n]))
 
 
 def _check_out(out: torch.Tensor | None, numel: int, device: torch.device) -> torch.Tensor:

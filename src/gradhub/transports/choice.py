@@ -1,10 +1,10 @@
-"""Which transport a group's reduce-scatter and all-gather take.
+"""Which transport a group's collectives take: the one place that decides.
 
-- ``"ring"``: the gloo ring of :mod:`.ring` (the backend's own collectives for
-  small vectors). Works everywhere; the flat ring across hosts.
-- ``"gloo"``: the backend's own collectives at every size
-  (``all_to_all_single`` + ``all_gather_single``; ``all_reduce`` for
-  :func:`.ring.all_reduce`).
+- ``"ring"``: the gloo ring of :mod:`.p2p_ring` (the backend's own collectives
+  for small vectors). Works everywhere; the flat ring across hosts.
+- ``"gloo"``: the backend's own collectives at every size (:mod:`.native`:
+  ``all_to_all_single`` + ``all_gather_single``; ``all_reduce`` for an
+  all-reduce).
 - ``"shm"``: shared memory (:mod:`.shm`), for ranks on one host.
 - ``"hierarchical"``: shared memory inside each host and one ring per column
   of ranks between hosts (:mod:`.hierarchical`), for ranks on several hosts
@@ -22,6 +22,10 @@ that asked for different transports all get a ``ValueError``. Asking for
 ``"shm"`` when the ranks span hosts, or for ``"hierarchical"`` when the
 layout does not fit it, is a ``ValueError`` too (nothing is silently slower
 than asked). A group without a store (a sub-group torch made) takes the ring.
+A group of one rank takes :mod:`.single` (nothing travels), whatever was asked.
+
+A new transport: a :class:`~.base.Transport` subclass in a module of its own
+here, its name in :data:`CHOICES`, and its construction in :func:`_decide`.
 
 Bits: ``"shm"``, ``"ring"`` and (for ``"none"``) ``"gloo"``'s collective
 path give the same bits (see :mod:`.shm`), so a job on one host and the same
@@ -40,9 +44,13 @@ import torch.distributed as dist
 
 from gradhub._shm.hosts import HostLayout, exchange, host_identity
 from gradhub._shm.memory import supported as shm_supported
-from gradhub.transports import shm
+from gradhub.transports.base import Transport
 from gradhub.transports.group import CollectiveGroup, Operation
 from gradhub.transports.hierarchical import HierarchicalTransport, fits
+from gradhub.transports.native import NativeTransport
+from gradhub.transports.p2p_ring import RingTransport
+from gradhub.transports.shm import ShmTransport
+from gradhub.transports.single import SingleRankTransport
 
 _log = logging.getLogger("gradhub.collective")
 
@@ -60,59 +68,57 @@ def requested(explicit: str | None) -> str:
     return name
 
 
-Shared = shm.ShmTransport | HierarchicalTransport
-"""A transport object: shared memory, or shared memory plus the ring between hosts."""
-
-
-class _Choice:
-    def __init__(self, name: str, shared: Shared | None = None):
-        self.name = name
-        self.shared = shared
-
-
-def select(group: CollectiveGroup, op: Operation) -> tuple[str, Shared | None]:
-    """The group's transport name and, for ``"shm"`` and ``"hierarchical"``, its
-    transport object.
+def select(group: CollectiveGroup, op: Operation) -> Transport:
+    """The group's transport.
 
     Collective the first time it is called on a group (inside an operation
-    that every rank runs); cached afterwards.
+    that every rank runs); cached afterwards, and closed with the group.
     """
-    choice: _Choice | None = group.transport_choice
-    if choice is None:
-        choice = _decide(group, op)
-        group.transport_choice = choice
+    transport: Transport | None = group.transport_choice
+    if transport is None:
+        transport = _decide(group, op)
+        group.transport_choice = transport
         group.on_close(lambda: _release(group))
-    return choice.name, choice.shared
+    return transport
 
 
 def chosen(group: CollectiveGroup) -> str | None:
     """The group's transport name once it has been chosen, else ``None``."""
-    choice: _Choice | None = group.transport_choice
-    return None if choice is None else choice.name
+    transport: Transport | None = group.transport_choice
+    return None if transport is None else transport.name
+
+
+def checks_in(group: CollectiveGroup) -> bool:
+    """Whether the group's next operation checks in through the store: yes
+    until a transport that tells by itself who entered is chosen."""
+    transport: Transport | None = group.transport_choice
+    return transport is None or transport.checks_in
 
 
 def _release(group: CollectiveGroup) -> None:
-    choice: _Choice | None = group.transport_choice
+    transport: Transport | None = group.transport_choice
     group.transport_choice = None
-    if choice is not None and choice.shared is not None:
-        choice.shared.close()
+    if transport is not None:
+        transport.close()
 
 
-def _decide(group: CollectiveGroup, op: Operation) -> _Choice:
+def _decide(group: CollectiveGroup, op: Operation) -> Transport:
     asked = requested(group.transport)
+    if group.world_size == 1:
+        return SingleRankTransport(group)
     store = group.store
     if store is None or group.backend != "gloo":
         if asked == "shm":
             raise ValueError(
                 f"[rank {group.rank}] transport 'shm' needs a gloo group with a c10d store"
             )
-        return _Choice("ring" if asked == "auto" else asked)
+        return NativeTransport(group) if asked == "gloo" else RingTransport(group)
     key = f"transport/{_generation(store, group.world_size)}"
     values, missing = exchange(
         store, group.rank, group.world_size, f"{asked}|{host_identity()}", key, op.remaining()
     )
     if missing:  # they have not entered the operation: they wrote no transport key
-        raise group._timed_out(op, missing[0] if len(missing) == 1 else None, absent=missing)
+        raise group.timed_out(op, missing[0] if len(missing) == 1 else None, absent=missing)
     asks = [v.split("|", 1)[0] for v in values]
     if len(set(asks)) > 1:
         raise ValueError(
@@ -139,14 +145,12 @@ def _decide(group: CollectiveGroup, op: Operation) -> _Choice:
             f"[rank {group.rank}] transport 'hierarchical' needs several hosts with the same "
             f"number (>= 2) of ranks each; these ranks are on {len(hosts)} host(s): {hosts}"
         )
+    _log.debug("[rank %d] transport %s (hosts %s)", group.rank, name, hosts)
     if name == "hierarchical":
-        _log.debug("[rank %d] transport hierarchical (hosts %s)", group.rank, hosts)
-        return _Choice(name, HierarchicalTransport(group, layout, op, f"{key}/hierarchical"))
-    if name != "shm":
-        _log.debug("[rank %d] transport %s", group.rank, name)
-        return _Choice(name)
-    _log.debug("[rank %d] transport shm (%d ranks)", group.rank, group.world_size)
-    return _Choice("shm", shm.ShmTransport(group, layout.local_ranks, op, f"{key}/shm"))
+        return HierarchicalTransport(group, layout, op, f"{key}/hierarchical")
+    if name == "shm":
+        return ShmTransport(group, layout.local_ranks, op, f"{key}/shm")
+    return NativeTransport(group) if name == "gloo" else RingTransport(group)
 
 
 def _generation(store: dist.Store, world_size: int) -> int:

@@ -69,54 +69,19 @@ from gradhub.errors import (
     WorkerFailedError,
 )
 from gradhub.transports.operation import CollectiveFuture, Operation
+from gradhub.transports.stores import (
+    default_store,
+    is_timeout,
+    process_group_timeout,
+    roll_call,
+    store_name,
+)
 
-__all__ = ["CollectiveFuture", "CollectiveGroup", "Operation"]
+__all__ = ["CollectiveFuture", "CollectiveGroup", "Operation", "default_store"]
 
 _log = logging.getLogger("gradhub.collective")
 
-ROLL_CALL_GRACE = 5.0
-"""Seconds the survivors of a lost connection wait for each other to answer the
-roll call (at most the operation's timeout); who has not answered by then is named."""
-
 T = TypeVar("T")
-
-
-def process_group_timeout(pg: dist.ProcessGroup) -> float:
-    """Seconds ``pg`` was created with (``init_process_group(timeout=...)``)."""
-    for device in ("cpu", "cuda"):
-        try:
-            backend = pg._get_backend(torch.device(device))
-            return float(backend.options._timeout.total_seconds())
-        except (RuntimeError, AttributeError):
-            continue
-    return float(dist.distributed_c10d.default_pg_timeout.total_seconds())
-
-
-def default_store() -> dist.Store | None:
-    """The default process group's store, when torch exposes it."""
-    # torch keeps the default group's store privately; use it when it is there.
-    getter = getattr(dist.distributed_c10d, "_get_default_store", None)
-    if getter is None:
-        return None
-    try:
-        store: dist.Store = getter()
-    except (RuntimeError, ValueError):
-        return None
-    return store
-
-
-def store_name(store: dist.Store | None) -> str:
-    """``the c10d store at HOST:PORT`` (or its kind, when it has no address)."""
-    while isinstance(store, dist.PrefixStore):
-        store = store.underlying_store
-    if isinstance(store, dist.TCPStore):
-        return f"the c10d store at {store.host}:{store.port}"
-    return f"the c10d store ({type(store).__name__})"
-
-
-def _is_timeout(exc: BaseException) -> bool:
-    text = str(exc).lower()
-    return "timed out" in text or "timeout" in text
 
 
 class CollectiveGroup:
@@ -140,9 +105,9 @@ class CollectiveGroup:
     ):
         self.process_group = process_group
         self.transport = transport
-        """Requested transport (:mod:`.transport`); ``None``: ``GRADHUB_TRANSPORT`` or auto."""
+        """Requested transport (:mod:`.choice`); ``None``: ``GRADHUB_TRANSPORT`` or auto."""
         self.transport_choice: Any = None
-        """The transport chosen for this group (set once by :mod:`.transport`)."""
+        """The :class:`~.base.Transport` chosen for this group (set once by :mod:`.choice`)."""
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
         self.backend = str(dist.get_backend(process_group))
@@ -253,15 +218,15 @@ class CollectiveGroup:
         except RuntimeError as exc:  # c10d's errors (DistError) are RuntimeErrors
             raise self.failure(op, peer, exc) from exc
         if finished is False:
-            raise self._timed_out(op, peer)
+            raise self.timed_out(op, peer)
 
     def failure(
         self, op: Operation, peer: int | None, exc: BaseException
     ) -> CollectiveTimeoutError | WorkerFailedError:
         """The gradhub error for a c10d error raised during ``op`` (the only place
         c10d errors of operations are translated); the group is broken after it."""
-        if _is_timeout(exc) or op.remaining() <= 0:
-            return self._timed_out(op, peer)
+        if is_timeout(exc) or op.remaining() <= 0:
+            return self.timed_out(op, peer)
         self._broken = f"{op.name} failed"
         absent = self.missing_ranks(op.sequence)
         silent, gave_up = self._roll_call(op)
@@ -291,7 +256,7 @@ class CollectiveGroup:
             )
         )
 
-    def _timed_out(
+    def timed_out(
         self, op: Operation, peer: int | None, absent: list[int] | None = None
     ) -> CollectiveTimeoutError:
         """The error of ``op`` timing out waiting on ``peer``; ``absent``: the
@@ -314,6 +279,11 @@ class CollectiveGroup:
             missing, detail = [], ""
         return self._log(CollectiveTimeoutError(op.name, missing, op.timeout, detail))
 
+    def mark_broken(self, reason: str) -> None:
+        """Refuse every later operation: ``reason`` (e.g. ``"all_gather failed"``)
+        left messages or shared state of an operation half done."""
+        self._broken = reason
+
     def _log(self, err: T) -> T:
         _log.error("[rank %d] %s", self.rank, err)
         return err
@@ -335,31 +305,10 @@ class CollectiveGroup:
         return missing
 
     def _roll_call(self, op: Operation) -> tuple[list[int], list[int]]:
-        """After a lost connection: answer, and wait (blocking on the store, at most
-        :data:`ROLL_CALL_GRACE` s) for the other ranks to answer too.
-
-        Returns the ranks that did not answer and the ranks that gave up on
-        ``op`` by their own timeout. Without a store the silent rank is unknown;
-        with the store's host gone, it is named (rank 0 under ``env://``).
-        """
+        """After a lost connection: :func:`.stores.roll_call` (silent ranks, quitters)."""
         if self.store is None:
             return [], []
-        store = self.store
-        answer, gave_up = f"alive/{op.sequence}/", f"gave-up/{op.sequence}/"
-        deadline = time.monotonic() + min(ROLL_CALL_GRACE, op.timeout)
-        try:
-            store.set(f"{answer}{self.rank}", "1")
-            while True:
-                quitters = [r for r in range(self.world_size) if store.check([f"{gave_up}{r}"])]
-                silent = [r for r in range(self.world_size) if not store.check([f"{answer}{r}"])]
-                left = deadline - time.monotonic()
-                if quitters or not silent or left <= 0:
-                    return silent, quitters
-                with contextlib.suppress(RuntimeError):  # not all answered yet
-                    store.wait([f"{answer}{r}" for r in silent], timedelta(seconds=min(left, 0.2)))
-        except RuntimeError as exc:  # the store's host is gone
-            _log.debug("[rank %d] store unreachable during the roll call: %s", self.rank, exc)
-            return ([0] if self.rank != 0 else []), []
+        return roll_call(self.store, self.rank, self.world_size, op.sequence, op.timeout)
 
     def answer_roll_call(self, op: Operation) -> None:
         """Answer ``op``'s roll call ahead of it: this rank is alive and leaves

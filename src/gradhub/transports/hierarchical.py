@@ -2,7 +2,7 @@
 
 A flat ring across hosts carries every chunk over each host boundary it
 meets on its way round; here each host sends its bytes over the network once
-(:mod:`.transport` picks this path by itself when the ranks span hosts and
+(:mod:`.choice` picks this path by itself when the ranks span hosts and
 every host holds the same number, at least 2, of them).
 
 With ``H`` hosts of ``L`` ranks, hosts ordered by their lowest rank and the
@@ -67,7 +67,9 @@ import torch
 from gradhub import codecs
 from gradhub._shm.hosts import HostLayout
 from gradhub.errors import WorkerFailedError
+from gradhub.transports.base import Chunking, Ranges, Transport
 from gradhub.transports.group import CollectiveGroup, Operation
+from gradhub.transports.native import backend_broadcast
 from gradhub.transports.p2p_ring import ring_all_gather, ring_reduce_scatter
 from gradhub.transports.shm import ShmTransport
 
@@ -80,14 +82,16 @@ def fits(layout: HostLayout) -> bool:
     return len(layout.hosts) > 1 and len(sizes) == 1 and min(sizes) > 1
 
 
-class HierarchicalTransport:
+class HierarchicalTransport(Transport):
     """Shared memory inside this host plus one ring per column between hosts.
 
     Set up collectively (every rank of the group constructs it at the same
     operation); :meth:`close` releases the shared memory (idempotent).
+    Broadcast is the backend's own (no sum, so no order to keep).
     """
 
     name = "hierarchical"
+    ring_order = False  # each host's values first: see the module docstring
 
     def __init__(self, group: CollectiveGroup, layout: HostLayout, op: Operation, key: str):
         if not fits(layout):
@@ -95,7 +99,7 @@ class HierarchicalTransport:
                 f"[rank {group.rank}] the hierarchical transport needs several hosts with "
                 f"the same number (>= 2) of ranks each; got {[list(h) for h in layout.hosts]}"
             )
-        self.group = group
+        super().__init__(group)
         local = layout.local_ranks
         self.index = local.index(group.rank)
         self.columns = [[host[i] for host in layout.hosts] for i in range(len(local))]
@@ -119,19 +123,22 @@ class HierarchicalTransport:
         op: Operation,
         flat: torch.Tensor,
         codec: codecs.Codec,
-        ranges: Sequence[tuple[int, int]],
+        ranges: Ranges,
         out: torch.Tensor,
-        pipeline: int,
+        chunking: Chunking,
     ) -> None:
         """Sum ``flat`` over every rank; this rank's slice ``ranges[rank]`` into ``out``."""
         columns = self._column_ranges(ranges)
         total = sum(n for _, n in columns)
         host_sums = self.group.scratch("hierarchical_sums", total, torch.float32)
         with self._survivor(op):
-            self.local.reduce_scatter(op, flat, _PLAIN, self._owned(ranges), host_sums, hop=False)
+            self.local.reduce_scatter_segments(
+                op, flat, _PLAIN, self._owned(ranges), host_sums, hop=False
+            )
         prescale = codec.wire_dtype == torch.float16
         if prescale:
             host_sums.div_(self.group.world_size)
+        pipeline = chunking.pipeline_elements
         ring_reduce_scatter(
             self.group, op, host_sums, codec, columns, pipeline, out, members=self.column
         )
@@ -143,9 +150,9 @@ class HierarchicalTransport:
         op: Operation,
         own_wire: torch.Tensor,
         codec: codecs.Codec,
-        ranges: Sequence[tuple[int, int]],
+        ranges: Ranges,
         out: torch.Tensor,
-        pipeline: int,
+        chunking: Chunking,
     ) -> None:
         """Every rank's encoded slice, decoded into its place in ``out`` (flat fp32)."""
         columns = self._column_ranges(ranges)
@@ -153,9 +160,13 @@ class HierarchicalTransport:
         wire = self.group.scratch("hierarchical_wire", total, codec.wire_dtype)
         s, n = columns[self.column.index(self.group.rank)]
         wire[s : s + n].copy_(own_wire)
+        pipeline = chunking.pipeline_elements
         ring_all_gather(self.group, op, wire, columns, pipeline, members=self.column)
         with self._survivor(op):
-            self.local.all_gather(op, wire, codec, self._owned(ranges), out)
+            self.local.all_gather_segments(op, wire, codec, self._owned(ranges), out)
+
+    def broadcast(self, op: Operation, tensor: torch.Tensor, root: int) -> None:
+        backend_broadcast(self.group, op, tensor, root)
 
     @contextlib.contextmanager
     def _survivor(self, op: Operation) -> Iterator[None]:

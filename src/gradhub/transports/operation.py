@@ -30,6 +30,10 @@ class Operation:
     sequence: int
     timeout: float
     deadline: float
+    messages: int = 0
+    """Point-to-point messages this operation has tagged so far: an operation
+    made of several steps (an all-reduce's reduce-scatter and all-gather) gives
+    each message its own tag."""
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()

@@ -1,10 +1,31 @@
-"""The bandwidth-optimal ring over gloo point-to-point messages.
+"""The bandwidth-optimal ring over gloo point-to-point messages (transport ``"ring"``).
 
 Each rank sends (P-1)/P of the bytes to its right-hand neighbour in pipelined
 chunks; the chunk schedule and the fixed summation order come from
 :mod:`gradhub.transports.schedule`, so every rank's result is bit-identical
-run to run. :mod:`gradhub.collective.ring` picks this path (or another) per
-operation; these functions run on the group's worker thread.
+run to run. gloo's own reduce-scatter is built from one all-reduce per rank,
+which is why it is not used.
+
+- Every receive of an operation is posted before the first send, so no
+  message waits for its receiver to get ready.
+- Chunks are cut into messages of at most ``pipeline_elements`` elements: a
+  rank adds (or forwards) one message while the next one is on the wire.
+- Wire data is in the codec's type. Each hop decodes, adds its own fp32 values
+  in fp32, and encodes the partial sum once for the next hop; the owner adds
+  its values last and keeps the fp32 sum. With ``"fp16"`` every contribution
+  is divided by ``P`` before it is encoded, so partial sums stay within the
+  half range, and the result is multiplied back by ``P``. With a lossy codec,
+  the error of the sum is at most ``(P - 1) * relative_error * sum(|x_i|)``
+  (one rounding per hop).
+- The all-gather forwards wire bytes unchanged, and every rank, the owner
+  included, decodes the same bytes: all ranks end with the same bits.
+
+Small vectors (at most ``chunking.small_bytes`` on the wire) on gloo, and
+every vector on NCCL, take the backend's collectives instead
+(:mod:`.native`): for ``"none"`` the same bits (NCCL's native reduce-scatter
+aside), for lossy codecs one rounding per contribution instead of one per
+hop. gloo's point-to-point messages have a high fixed cost
+(:data:`.base.SMALL_BYTES`), its collectives do not.
 
 ``members``: the group ranks that form the ring, in ring order (default:
 every rank, ascending); chunk ``c`` of ``ranges`` is the slice of
@@ -20,7 +41,14 @@ import torch
 import torch.distributed as dist
 
 from gradhub import codecs
+from gradhub.transports.base import Chunking, Ranges, Transport
 from gradhub.transports.group import CollectiveGroup, Operation
+from gradhub.transports.native import (
+    backend_broadcast,
+    collective_all_gather,
+    exchange_reduce_scatter,
+    native_reduce_scatter,
+)
 from gradhub.transports.schedule import (
     all_gather_recv_chunk,
     message_tag,
@@ -50,18 +78,22 @@ class _Sender:
         self.peer = peer
         self.pending: list[tuple[dist.Work, torch.Tensor]] = []
         self.count = 0
+        self.first = op.messages
 
     def send(self, buffer: torch.Tensor) -> None:
-        tag = message_tag(self.op.sequence, self.count)
+        tag = message_tag(self.op.sequence, self.first + self.count)
         self.count += 1
         work = dist.isend(buffer, self.peer, group=self.group.process_group, tag=tag)
         assert work is not None
         self.pending.append((work, buffer))
 
-    def finish(self) -> None:
+    def finish(self, received: int) -> None:
+        """Wait for every send; the operation's next step tags after this one's
+        ``received`` receives and this one's sends."""
         for work, _ in self.pending:
             self.group.wait(self.op, work, self.peer)
         self.pending.clear()
+        self.op.messages = self.first + max(self.count, received)
 
 
 def _post_receives(
@@ -78,7 +110,7 @@ def _post_receives(
     posted: list[tuple[int, int, int, dist.Work]] = []
     for step, chunk in enumerate(chunks):
         for s, n in sub_ranges(*ranges[chunk], pipeline):
-            tag = message_tag(op.sequence, len(posted))
+            tag = message_tag(op.sequence, op.messages + len(posted))
             work = dist.irecv(buffer[s : s + n], peer, group=group.process_group, tag=tag)
             assert work is not None
             posted.append((step, s, n, work))
@@ -121,7 +153,7 @@ def ring_reduce_scatter(
                 out[s - own_start : s - own_start + n].copy_(partial)
             else:
                 sender.send(codec.encode(partial))
-    sender.finish()
+    sender.finish(len(receives))
 
 
 def ring_all_gather(
@@ -143,4 +175,60 @@ def ring_all_gather(
         group.wait(op, work, ring.left)
         if step < P - 2:
             sender.send(wire[s : s + n])
-    sender.finish()
+    sender.finish(len(receives))
+
+
+class RingTransport(Transport):
+    """The point-to-point ring over the group's process group (every backend)."""
+
+    name = "ring"
+
+    def reduce_scatter(
+        self,
+        op: Operation,
+        flat: torch.Tensor,
+        codec: codecs.Codec,
+        ranges: Ranges,
+        out: torch.Tensor,
+        chunking: Chunking,
+    ) -> None:
+        group, plain = self.group, isinstance(codec, codecs.NoCompression)
+        if group.backend == "nccl" and plain:
+            native_reduce_scatter(group, op, flat, ranges, out)
+            return
+        if group.backend == "nccl" or chunking.small(flat.numel(), codec):
+            exchange_reduce_scatter(group, op, flat, codec, ranges, out)
+            return
+        prescale = codec.wire_dtype == torch.float16
+        x = flat
+        if prescale:
+            x = torch.div(
+                flat, group.world_size, out=group.scratch("prescale", flat.numel(), flat.dtype)
+            )
+        ring_reduce_scatter(group, op, x, codec, ranges, chunking.pipeline_elements, out)
+        if prescale:
+            out.mul_(group.world_size)
+
+    def all_gather(
+        self,
+        op: Operation,
+        own_wire: torch.Tensor,
+        codec: codecs.Codec,
+        ranges: Ranges,
+        out: torch.Tensor,
+        chunking: Chunking,
+    ) -> None:
+        group, size = self.group, out.numel()
+        if group.backend == "nccl" or chunking.small(size, codec):
+            collective_all_gather(group, op, own_wire, out, codec, ranges)
+            return
+        start, length = ranges[group.rank]
+        direct = codec.wire_dtype == torch.float32
+        wire = out if direct else group.scratch("all_gather", size, codec.wire_dtype)
+        wire[start : start + length].copy_(own_wire)
+        ring_all_gather(group, op, wire, ranges, chunking.pipeline_elements)
+        if not direct:
+            out.copy_(codec.decode(wire))
+
+    def broadcast(self, op: Operation, tensor: torch.Tensor, root: int) -> None:
+        backend_broadcast(self.group, op, tensor, root)

@@ -2,9 +2,9 @@
 
 Memory: the lowest rank (the leader) creates anonymous ``memfd`` segments and
 hands them to the other ranks over an abstract-namespace Unix socket whose
-random name is published in the group's c10d store; every rank maps them
-(``mmap``) and views them with ``torch.frombuffer``, then closes the
-descriptor. Nothing has a name in a file system, so a killed process leaves
+random name is published in the group's c10d store (:mod:`.shm_setup`); every
+rank maps them (``mmap``) and views them with ``torch.frombuffer``, then
+closes the descriptor. Nothing has a name in a file system, so a killed process leaves
 nothing behind: the kernel frees a segment when its last mapping goes.
 
 - A small control segment holds one 64-bit sequence counter per rank, each
@@ -19,18 +19,20 @@ nothing behind: the kernel frees a segment when its last mapping goes.
 Algorithm (one synchronisation per operation):
 
 1. Each rank writes what the other ranks need into its region of set ``k % 2``
-   (reduce-scatter: every chunk but its own; all-gather: its own slice), then
+   (reduce-scatter: every chunk but its own; all-gather: its own slice;
+   broadcast: the root its tensor's bytes, the others nothing), then
    stores ``k`` in its counter and wakes the waiters.
 2. It waits until every other counter reaches ``k``.
 3. Reduce-scatter: it sums its own chunk from every rank's region in
    :func:`.schedule.reduction_order` (its own values, read where they lie,
-   last). All-gather: it copies (decodes) every rank's slice out.
+   last). All-gather: it copies (decodes) every rank's slice out. Broadcast:
+   it copies the root's bytes out.
 
 Operation ``k + 2`` reuses set ``k % 2``; a rank gets there only after every
 counter reached ``k + 1``, i.e. after every rank finished reading operation
 ``k``. So one synchronisation per operation suffices.
 
-Bits: the sums are those of the ring (:mod:`.ring`) for every codec. With
+Bits: the sums are those of the ring (:mod:`.p2p_ring`) for every codec. With
 ``hop=True`` (the ring's point-to-point path) a lossy codec rounds the partial
 sum once per hop, as the ring does, and ``"fp16"`` divides by the number of
 ranks before and multiplies after; with ``hop=False`` (the collective path
@@ -39,9 +41,10 @@ decodes the owner's wire values on every rank. Memory ordering: a counter is
 stored after the data it publishes; x86-64 keeps stores in order, and the
 ``futex`` system calls on both sides are full barriers.
 
-Waiting: a short bounded spin (a few microseconds), then ``futex`` waits on
-the peer's counter in slices of :data:`WAIT_SLICE` seconds; after each slice
-the peer's process is checked through a ``pidfd``: a dead peer is a
+Waiting: ``futex`` waits on the peer's counter in the kernel (no spinning:
+the ranks may share fewer cores than there are ranks), in slices of
+:data:`WAIT_SLICE` seconds; after each slice the peer's process is checked
+through a ``pidfd``: a dead peer is a
 :class:`~gradhub.errors.WorkerFailedError` naming its rank and pid, and a peer
 that is alive but late past the operation's deadline a
 :class:`~gradhub.errors.CollectiveTimeoutError` naming it. Either breaks the
@@ -55,47 +58,35 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import secrets
 import select
-import socket
-import struct
 from collections.abc import Sequence
 
 import torch
 
 from gradhub import codecs
-from gradhub._shm.hosts import wait_for_keys
-from gradhub._shm.memory import (
-    Mapping,
-    forgetting_views,
-    futex_wait,
-    futex_wake,
-    new_segment,
-    recv_exact,
-    supported,
-)
-from gradhub.errors import CollectiveTimeoutError, WorkerFailedError
+from gradhub._shm.memory import Mapping, forgetting_views, futex_wait, futex_wake, supported
+from gradhub.errors import ClosedError, CollectiveTimeoutError, WorkerFailedError
+from gradhub.transports.base import Chunking, Ranges, Transport
 from gradhub.transports.group import CollectiveGroup, Operation
 from gradhub.transports.schedule import add_in_order, reduction_order
+from gradhub.transports.shm_setup import Joined, join, share_segment
 
 _log = logging.getLogger("gradhub.collective")
 
 WAIT_SLICE = 0.1
 """Seconds a futex wait sleeps before the peer's process is checked again."""
 
-SPIN = 64
-"""Counter reads before a waiter sleeps in the kernel (a few microseconds)."""
-
 _LINE = 64  # bytes per counter: one cache line each
 _STRIDE = _LINE // 8
 _ALIGN = 4096
 _MIN_CAPACITY = 1 << 20
-_HELLO = struct.Struct("<qq")  # rank, pid
-_GROW = struct.Struct("<q")  # bytes per region
+
+Segments = Sequence[Sequence[tuple[int, int]]]
+"""``owned[i]``: the ``(start, length)`` segments local rank ``i`` owns."""
 
 
-class ShmTransport:
-    """Shared-memory reduce-scatter and all-gather among the ranks of one host.
+class ShmTransport(Transport):
+    """Shared-memory reduce-scatter, all-gather and broadcast among the ranks of one host.
 
     ``ranks``: the group ranks that share this host, ascending; this process is
     one of them. Set up collectively (every rank in ``ranks`` constructs it at
@@ -103,119 +94,94 @@ class ShmTransport:
     """
 
     name = "shm"
+    checks_in = False  # the counters say who entered an operation
 
     def __init__(self, group: CollectiveGroup, ranks: Sequence[int], op: Operation, key: str):
         if not supported():
             raise RuntimeError("shared-memory transport needs Linux with memfd, pidfd and futex")
-        self.group = group
+        super().__init__(group)
         self.ranks = list(ranks)
         self.size = len(self.ranks)
         self.index = self.ranks.index(group.rank)
         self._sequence = 0
         self._capacity = 0
         self._data: Mapping | None = None
-        self._peers: dict[int, socket.socket] = {}  # index -> socket (leader: all; others: 0)
+        self._joined = Joined()
         self._pidfds: dict[int, int] = {}
-        self._pids: list[int] = []
-        self._control: Mapping | None = None
         self._closed = False
         self._counters: ctypes.Array[ctypes.c_int64] = (ctypes.c_int64 * 0)()
         self._base = 0
+        self._op = op
         try:
-            self._connect(op, key)
+            control_bytes = max(_ALIGN, self.size * _LINE)
+            self._joined = join(
+                group, self.ranks, op, key, control_bytes, self._died_now, self._setup_timeout
+            )
+            for i, pid in enumerate(self._joined.pids):
+                if i != self.index:
+                    try:
+                        self._pidfds[i] = os.pidfd_open(pid)
+                    except ProcessLookupError:
+                        raise self._died(op, i, "set-up") from None
         except BaseException:
             self.close()
             raise
-        assert self._control is not None
-        self._counters = (ctypes.c_int64 * (self.size * _STRIDE)).from_buffer(self._control.mm)
+        control = self._joined.control
+        assert control is not None
+        self._counters = (ctypes.c_int64 * (self.size * _STRIDE)).from_buffer(control.mm)
         self._base = ctypes.addressof(self._counters)
-
-    # ----------------------------------------------------------------- set-up
-    def _connect(self, op: Operation, key: str) -> None:
-        store = self.group.store
-        assert store is not None
-        control_bytes = max(_ALIGN, self.size * _LINE)
-        if self.index == 0:
-            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-            try:
-                address = f"\0gradhub-shm-{secrets.token_hex(12)}"
-                listener.bind(address)
-                listener.listen(self.size)
-                store.set(f"{key}/socket", address[1:])
-                fd = new_segment(control_bytes, "gradhub-control")
-                try:
-                    pids = {0: os.getpid()}
-                    for _ in range(self.size - 1):
-                        listener.settimeout(max(op.remaining(), 0.001))
-                        try:
-                            conn, _ = listener.accept()
-                        except TimeoutError:
-                            missing = [self.ranks[i] for i in range(self.size) if i not in pids]
-                            raise self._setup_timeout(op, missing) from None
-                        conn.settimeout(max(op.remaining(), 0.001))
-                        rank, pid = _HELLO.unpack(recv_exact(conn, _HELLO.size))
-                        creds = conn.getsockopt(
-                            socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")
-                        )
-                        peer_pid, peer_uid, _ = struct.unpack("3i", creds)
-                        if rank not in self.ranks or peer_pid != pid or peer_uid != os.getuid():
-                            conn.close()
-                            raise WorkerFailedError(
-                                f"[rank {self.group.rank}] {op.name}: an unexpected process "
-                                f"(pid {peer_pid}) joined the shared-memory set-up as rank {rank}"
-                            )
-                        index = self.ranks.index(rank)
-                        self._peers[index], pids[index] = conn, pid
-                    self._pids = [pids[i] for i in range(self.size)]
-                    table = struct.pack(f"<{self.size}q", *self._pids)
-                    for conn in self._peers.values():
-                        socket.send_fds(conn, [table], [fd])
-                    self._control = Mapping(os.dup(fd), control_bytes)
-                finally:
-                    os.close(fd)
-            finally:
-                listener.close()
-        else:
-            leader = self.ranks[0]
-            if not wait_for_keys(store, [f"{key}/socket"], op.remaining()):
-                raise self._setup_timeout(op, [leader])
-            address = "\0" + store.get(f"{key}/socket").decode()
-            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-            self._peers[0] = conn
-            conn.settimeout(max(op.remaining(), 0.001))
-            conn.connect(address)
-            conn.sendall(_HELLO.pack(self.group.rank, os.getpid()))
-            try:
-                table, fds, _, _ = socket.recv_fds(conn, 8 * self.size, 1)
-            except TimeoutError:
-                raise self._setup_timeout(op, [leader]) from None
-            if len(fds) != 1 or len(table) != 8 * self.size:
-                for fd in fds:
-                    os.close(fd)
-                raise self._died(op, 0, "set-up")
-            self._pids = list(struct.unpack(f"<{self.size}q", table))
-            self._control = Mapping(fds[0], control_bytes)
-        for i, pid in enumerate(self._pids):
-            if i != self.index:
-                try:
-                    self._pidfds[i] = os.pidfd_open(pid)
-                except ProcessLookupError:
-                    raise self._died(op, i, "set-up") from None
         _log.debug(
             "[rank %d] shared memory with ranks %s (pids %s)",
-            self.group.rank,
+            group.rank,
             self.ranks,
-            self._pids,
+            self._joined.pids,
         )
 
-    # ------------------------------------------------------------ collectives
-    @forgetting_views
+    # -------------------------------------------------------- the interface
     def reduce_scatter(
         self,
         op: Operation,
         flat: torch.Tensor,
         codec: codecs.Codec,
-        owned: Sequence[Sequence[tuple[int, int]]],
+        ranges: Ranges,
+        out: torch.Tensor,
+        chunking: Chunking,
+    ) -> None:
+        hop = not chunking.small(flat.numel(), codec)  # round as the ring would
+        self.reduce_scatter_segments(op, flat, codec, [[c] for c in ranges], out, hop=hop)
+
+    def all_gather(
+        self,
+        op: Operation,
+        own_wire: torch.Tensor,
+        codec: codecs.Codec,
+        ranges: Ranges,
+        out: torch.Tensor,
+        chunking: Chunking,
+    ) -> None:
+        self.all_gather_segments(op, own_wire, codec, [[c] for c in ranges], out)
+
+    @forgetting_views
+    def broadcast(self, op: Operation, tensor: torch.Tensor, root: int) -> None:
+        raw = tensor.view(-1).view(torch.uint8)
+        k, regions = self._begin(op, raw.numel(), torch.uint8)
+        source = self.ranks.index(root)
+        if self.index == source:
+            regions[source].copy_(raw)
+        self._publish(k)
+        self._wait_all(op, k, "broadcast")
+        if self.index != source:
+            raw.copy_(regions[source])
+        del regions
+
+    # ------------------------------------------------ segments (hierarchical)
+    @forgetting_views
+    def reduce_scatter_segments(
+        self,
+        op: Operation,
+        flat: torch.Tensor,
+        codec: codecs.Codec,
+        owned: Segments,
         out: torch.Tensor,
         *,
         hop: bool,
@@ -245,7 +211,7 @@ class ShmTransport:
                 else:
                     mine[s : s + n].copy_(codec.encode(flat[s : s + n]))
         self._publish(k)
-        self._wait_all(op, k)
+        self._wait_all(op, k, "reduce_scatter")
         order = reduction_order(me, P)  # this rank last
         at = 0
         for s, n in owned[me]:
@@ -257,12 +223,12 @@ class ShmTransport:
         del regions, mine
 
     @forgetting_views
-    def all_gather(
+    def all_gather_segments(
         self,
         op: Operation,
         own_wire: torch.Tensor,
         codec: codecs.Codec,
-        owned: Sequence[Sequence[tuple[int, int]]],
+        owned: Segments,
         out: torch.Tensor,
     ) -> None:
         """Every rank's encoded segments, decoded into their places in ``out`` (flat fp32).
@@ -284,7 +250,7 @@ class ShmTransport:
             at += n
             if n and not (plain and wire.data_ptr() == own_out.data_ptr()):
                 own_out.copy_(wire if plain else codec.decode(wire))
-        self._wait_all(op, k)
+        self._wait_all(op, k, "all_gather")
         for c, segments in enumerate(owned):
             for s, n in segments if c != me else ():
                 if n == 0:
@@ -300,7 +266,10 @@ class ShmTransport:
         """Number the operation, grow the data segment if needed, and return
         the regions of this operation's set as ``numel``-element views."""
         if self._closed:
-            raise RuntimeError("shared-memory transport is closed")
+            raise ClosedError(
+                f"[rank {self.group.rank}] {op.name}: the shared-memory transport is closed"
+            )
+        self._op = op
         self._sequence += 1
         k = self._sequence
         itemsize = torch.empty((), dtype=dtype).element_size()
@@ -319,37 +288,13 @@ class ShmTransport:
         return k, regions
 
     def _grow(self, op: Operation, capacity: int) -> None:
-        total = 2 * self.size * capacity
-        if self.index == 0:
-            fd = new_segment(total, "gradhub-data")
-            try:
-                message = _GROW.pack(capacity)
-                for i, conn in self._peers.items():
-                    try:
-                        socket.send_fds(conn, [message], [fd])
-                    except OSError:
-                        raise self._died(op, i, "growing the shared segment") from None
-                mapping = Mapping(os.dup(fd), total)
-            finally:
-                os.close(fd)
-        else:
-            conn = self._peers[0]
-            conn.settimeout(max(op.remaining(), 0.001))
-            try:
-                message, fds, _, _ = socket.recv_fds(conn, _GROW.size, 1)
-            except TimeoutError:
-                raise self._late(op, 0) from None
-            except OSError:
-                raise self._died(op, 0, "growing the shared segment") from None
-            if len(fds) != 1 or len(message) != _GROW.size:
-                for fd in fds:
-                    os.close(fd)
-                raise self._died(op, 0, "growing the shared segment")
-            (capacity,) = _GROW.unpack(message)
-            mapping = Mapping(fds[0], total)
+        leader = self.index == 0
+        mapping = share_segment(
+            self._joined, leader, op, 2 * self.size * capacity, self._died_now, self._late
+        )
         if self._data is not None:
             self._data.close()
-        self._data, self._capacity = mapping, capacity
+        self._data, self._capacity = mapping, mapping.size // (2 * self.size)
 
     def _publish(self, k: int) -> None:
         self._counters[self.index * _STRIDE] = k  # one aligned 8-byte store
@@ -358,18 +303,13 @@ class ShmTransport:
     def _address(self, index: int) -> int:
         return self._base + index * _LINE
 
-    def _wait_all(self, op: Operation, k: int) -> None:
+    def _wait_all(self, op: Operation, k: int, during: str) -> None:
         counters = self._counters
         for j in range(self.size):
-            if j == self.index:
-                continue
-            for _ in range(SPIN):
-                if counters[j * _STRIDE] >= k:
-                    break
-            else:
-                self._sleep_until(op, j, k)
+            if j != self.index and counters[j * _STRIDE] < k:
+                self._sleep_until(op, j, k, during)
 
-    def _sleep_until(self, op: Operation, j: int, k: int) -> None:
+    def _sleep_until(self, op: Operation, j: int, k: int, during: str) -> None:
         counters, slot = self._counters, j * _STRIDE
         address = self._address(j)
         while True:
@@ -378,10 +318,10 @@ class ShmTransport:
                 return
             remaining = op.remaining()
             if remaining <= 0:
-                raise self._late(op, j)
+                raise self._late(j)
             futex_wait(address, seen, min(WAIT_SLICE, remaining))
             if counters[slot] < k and not self._alive(j):
-                raise self._died(op, j, op.name)
+                raise self._died(op, j, during)
 
     def _alive(self, j: int) -> bool:
         poller = select.poll()
@@ -389,10 +329,11 @@ class ShmTransport:
         return not poller.poll(0)  # a pidfd is readable once its process exited
 
     # ---------------------------------------------------------------- errors
-    def _late(self, op: Operation, j: int) -> CollectiveTimeoutError:
+    def _late(self, j: int) -> CollectiveTimeoutError:
         """The counters are this transport's check-ins: a rank whose counter is
         behind this operation's number has not entered it."""
-        self.group._broken = f"{op.name} timed out"
+        op = self._op
+        self.group.mark_broken(f"{op.name} timed out")
         k = self._sequence
         behind = [self.ranks[i] for i in range(self.size) if self._counters[i * _STRIDE] < k]
         detail = (
@@ -402,10 +343,14 @@ class ShmTransport:
         _log.error("[rank %d] %s", self.group.rank, err)
         return err
 
+    def _died_now(self, j: int, during: str) -> WorkerFailedError:
+        return self._died(self._op, j, during)
+
     def _died(self, op: Operation, j: int, during: str) -> WorkerFailedError:
         rank = self.ranks[j]
-        pid = self._pids[j] if j < len(self._pids) else "?"
-        self.group._broken = f"{op.name} failed"
+        pids = self._joined.pids
+        pid = pids[j] if j < len(pids) else "?"
+        self.group.mark_broken(f"{op.name} failed")
         err = WorkerFailedError(
             f"[rank {self.group.rank}] {op.name}: rank {rank} (pid {pid}) died during "
             f"{during} (shared memory). The group is unusable: stop this process and "
@@ -414,8 +359,8 @@ class ShmTransport:
         _log.error("%s", err)
         return err
 
-    def _setup_timeout(self, op: Operation, missing: list[int]) -> CollectiveTimeoutError:
-        return self.group._timed_out(op, missing[0] if len(missing) == 1 else None)
+    def _setup_timeout(self, missing: list[int]) -> CollectiveTimeoutError:
+        return self.group.timed_out(self._op, missing[0] if len(missing) == 1 else None)
 
     # -------------------------------------------------------------- lifecycle
     def close(self) -> None:
@@ -424,13 +369,11 @@ class ShmTransport:
             return
         self._closed = True
         self._counters = (ctypes.c_int64 * 0)()  # releases the control mapping's buffer
-        for mapping in (self._data, self._control):
+        for mapping in (self._data, self._joined.control):
             if mapping is not None:
                 mapping.close()
-        self._data = self._control = None
-        for conn in self._peers.values():
-            conn.close()
-        self._peers.clear()
+        self._data = self._joined.control = None
+        self._joined.close()
         for fd in self._pidfds.values():
             os.close(fd)
         self._pidfds.clear()

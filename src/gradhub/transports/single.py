@@ -1,0 +1,49 @@
+"""The transport of a group of one rank: nothing travels.
+
+Reduce-scatter copies the rank's own slice; all-gather decodes its own wire
+values into place (so a lossy codec rounds as it would with more ranks);
+broadcast leaves the tensor as it is. Chosen by :mod:`.choice` whenever the
+group has one rank, whatever transport was asked for.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gradhub import codecs
+from gradhub.transports.base import Chunking, Ranges, Transport
+from gradhub.transports.operation import Operation
+
+
+class SingleRankTransport(Transport):
+    """One rank: copies only."""
+
+    name = "single"
+    checks_in = False  # nobody else could be missing
+
+    def reduce_scatter(
+        self,
+        op: Operation,
+        flat: torch.Tensor,
+        codec: codecs.Codec,
+        ranges: Ranges,
+        out: torch.Tensor,
+        chunking: Chunking,
+    ) -> None:
+        start, length = ranges[0]
+        out.copy_(flat[start : start + length])
+
+    def all_gather(
+        self,
+        op: Operation,
+        own_wire: torch.Tensor,
+        codec: codecs.Codec,
+        ranges: Ranges,
+        out: torch.Tensor,
+        chunking: Chunking,
+    ) -> None:
+        start, length = ranges[0]
+        out[start : start + length].copy_(codec.decode(own_wire))
+
+    def broadcast(self, op: Operation, tensor: torch.Tensor, root: int) -> None:
+        pass
