@@ -132,6 +132,7 @@ def job(rank: int, world: int, start: bytes) -> dict[str, Any]:
         out["gradhub clip"] = _train(rank, runtime, "gradhub")
         out["scaler"] = {}  # TEMP _scaled(rank, runtime)
         out["bf16 wire"] = _grads_on_the_wire(rank, runtime)
+        out["bf16 parameters"] = _bf16(rank, runtime)
         out["optimizers"] = {
             name: _elementwise(rank, runtime, name) for name in sorted(ELEMENTWISE)
         }
@@ -203,6 +204,48 @@ def _grads_on_the_wire(rank: int, runtime: Any) -> dict[str, Any]:
             opt.step()
         gradhub.check_in_sync(model)
     return {"grads": grads}
+
+
+def _bf16(rank: int, runtime: Any) -> list[list[np.ndarray]]:
+    """bf16 parameters: fp32 master slices, bf16 model copies."""
+    base = Net().to(torch.bfloat16)
+    model, opt = gradhub.prepare(base, sgd(base), strategy="sharded", runtime=runtime)
+    out = []
+    with model:
+        for step in range(2):
+            opt.zero_grad()
+            x, y = batch(step, rank)
+            F.cross_entropy(model(x.bfloat16(), extra=rank == 0).float(), y).backward()
+            opt.step()
+            out.append([p.detach().float().numpy().copy() for p in base.parameters()])
+    return out
+
+
+def bf16_reference() -> list[list[np.ndarray]]:
+    """One process: a bf16 model for forward and backward, fp32 master weights
+    stepped by SGD with its gradients, copied back rounded to bf16."""
+    model = Net().to(torch.bfloat16)
+    master = Net()
+    with torch.no_grad():
+        for m, p in zip(master.parameters(), model.parameters(), strict=True):
+            m.copy_(p.float())
+    opt = sgd(master)
+    out = []
+    for step in range(2):
+        model.zero_grad()
+        total = torch.zeros(())
+        for r in (0, 1):
+            x, y = batch(step, r)
+            total = total + F.cross_entropy(model(x.bfloat16(), extra=r == 0).float(), y) / 2
+        total.backward()
+        for m, p in zip(master.parameters(), model.parameters(), strict=True):
+            m.grad = None if p.grad is None else p.grad.float()
+        opt.step()
+        with torch.no_grad():
+            for m, p in zip(master.parameters(), model.parameters(), strict=True):
+                p.copy_(m)
+        out.append([p.detach().float().numpy().copy() for p in model.parameters()])
+    return out
 
 
 def _elementwise(rank: int, runtime: Any, name: str) -> list[list[np.ndarray]]:

@@ -20,7 +20,16 @@ import gradhub
 from gradhub.collective.sharded_optimizer import ELEMENTWISE
 from gradhub.errors import UnsupportedByStrategyError
 from harness import run_ranks
-from sharded_conformance_jobs import STEPS, Net, adamw, from_bytes, job, reference, sgd
+from sharded_conformance_jobs import (
+    STEPS,
+    Net,
+    adamw,
+    bf16_reference,
+    from_bytes,
+    job,
+    reference,
+    sgd,
+)
 
 ATOL = 1e-6  # see the module docstring
 
@@ -94,6 +103,18 @@ def test_torch_grad_scaler_with_a_skipped_step(results: list[dict[str, Any]]) ->
         # unscale_ reached the gradient the step used (before: 1024x, a difference of 188).
         for step in range(STEPS):
             _close(got["params"][step], want["params"][step])
+
+
+@pytest.mark.slow
+def test_bf16_parameters_train_on_fp32_master_slices(results: list[dict[str, Any]]) -> None:
+    want = bf16_reference()
+    for rank in (0, 1):
+        for got, ref_step in zip(results[rank]["bf16 parameters"], want, strict=True):
+            # The halves' bf16 gradients summed in fp32 and rounded once, as bf16
+            # autograd adds them; the fp32 master steps may round differently
+            # by one bf16 unit (2**-8 relative).
+            for g, w in zip(got, ref_step, strict=True):
+                np.testing.assert_allclose(g, w, rtol=2.0**-7, atol=1e-6)
 
 
 @pytest.mark.slow
@@ -182,8 +203,8 @@ def test_refused_at_prepare_naming_allreduce() -> None:
             with pytest.raises(UnsupportedByStrategyError, match=name) as info:
                 gradhub.prepare(model, make(model), strategy="sharded", runtime=runtime)
             assert 'strategy="allreduce"' in str(info.value)
-        model = linear().to(torch.bfloat16)
-        with pytest.raises(UnsupportedByStrategyError, match=r"(?s)bfloat16.*autocast"):
+        model = nn.Sequential(linear(), linear().to(torch.bfloat16))
+        with pytest.raises(UnsupportedByStrategyError, match=r"(?s)bfloat16, torch.float32"):
             gradhub.prepare(
                 model,
                 torch.optim.SGD(model.parameters(), lr=0.1),

@@ -61,8 +61,14 @@ Decisions:
   package's) is refused at ``prepare`` with
   :class:`~gradhub.errors.UnsupportedByStrategyError` naming
   ``strategy="allreduce"``, as are an optimizer that does not hold every
-  trainable parameter (several optimizers) and parameters other than fp32
-  (keep fp32 parameters and use ``torch.autocast`` for 16-bit compute).
+  trainable parameter (several optimizers) and trainable parameters of
+  mixed dtypes.
+- 16-bit parameters (all bf16 or all fp16): the model holds 16-bit copies,
+  the slices' master weights and optimizer state are fp32 (as under mixed
+  precision with master weights, not as torch's optimizer on bf16 tensors,
+  which rounds every update to bf16); gradients are weighted and summed in
+  fp32 and ``.grad`` holds the sum rounded once to the parameters' dtype.
+  The state dict is fp32; a plain optimizer casts it on load.
 - The script's optimizer is described by an :class:`~gradhub.optim.OptimizerSpec`;
   the slice optimizer has one group per group of the script's. Before every
   step the live hyperparameters of the script's groups (what an LR scheduler
@@ -105,6 +111,8 @@ from gradhub.train.strategies.sharded_state import (
     to_bytes,
 )
 
+_FLOATS = (str(torch.float32), str(torch.bfloat16), str(torch.float16))
+
 
 @dataclass(kw_only=True)
 class ShardedConfig:
@@ -135,7 +143,8 @@ class ShardedStrategy(Strategy):
         self._groups: list[list[torch.nn.Parameter]] = []
         self._index: list[int] = []  # per parameter of the flat vector: its state-dict index
         self._flat = torch.zeros(0)
-        self._grad = torch.zeros(0)
+        self._grad = torch.zeros(0)  # fp32: the wire's (reduce-scatter input, all-gather output)
+        self._model_grad = self._grad  # what .grad views: _grad itself, or a 16-bit copy
         self._grad_views: list[torch.Tensor] = []
         self._arp: AllReduceParameter | None = None
         self._opt: ShardedOptimizer | None = None
@@ -168,11 +177,12 @@ class ShardedStrategy(Strategy):
         device = self.params[0].device
         size = sum(p.numel() for p in self.params)
         self._flat = torch.cat([p.detach().reshape(-1) for p in self.params]).to(device)
-        self._grad = torch.zeros_like(self._flat)
+        self._grad = torch.zeros(size, dtype=torch.float32, device=device)
+        self._model_grad = self._grad if self._flat.dtype == torch.float32 else torch.zeros_like(self._flat)
         offset = 0
         for p in self.params:  # parameters become views of the flat vector
             p.data = self._flat[offset : offset + p.numel()].view_as(p)
-            self._grad_views.append(self._grad[offset : offset + p.numel()].view_as(p))
+            self._grad_views.append(self._model_grad[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
         self._start_responder()
         self._arp = AllReduceParameter(
@@ -196,13 +206,13 @@ class ShardedStrategy(Strategy):
                 "optimizer over model.parameters() (parameter groups for different "
                 'settings), or use strategy="allreduce", which takes several optimizers'
             )
-        wrong = sorted({str(p.dtype) for p in self.params if p.dtype != torch.float32})
-        if wrong:
+        dtypes = sorted({str(p.dtype) for p in self.params})
+        if len(dtypes) > 1 or dtypes[0] not in _FLOATS:
             raise UnsupportedByStrategyError(
-                f"strategy 'sharded' trains fp32 parameters; this model has {', '.join(wrong)} "
-                "ones\n- help: keep the parameters fp32 (model.float()) and run the forward "
-                "under torch.autocast(device_type, dtype=torch.bfloat16) for 16-bit compute "
-                '(the master weights stay fp32), or use strategy="allreduce"'
+                f"strategy 'sharded' keeps one flat vector of fp32, bf16 or fp16 parameters; "
+                f"this model's trainable parameters are {', '.join(dtypes)}\n- help: give "
+                "them one of those dtypes (e.g. model.float(), and torch.autocast for "
+                '16-bit compute), or use strategy="allreduce"'
             )
 
     def _start_responder(self) -> None:
@@ -272,8 +282,10 @@ class ShardedStrategy(Strategy):
             slot.zero_()
         elif grad.data_ptr() == slot.data_ptr() and grad.is_contiguous():
             slot.mul_(self._scale)  # .grad is already this view (the last combined gradient)
-        else:
+        elif grad.dtype == torch.float32:
             torch.mul(grad.reshape(-1), self._scale, out=slot)
+        else:  # 16-bit parameters: weighted and summed in fp32
+            slot.copy_(grad.reshape(-1)).mul_(self._scale)
         self._filled.add(id(p))
         self._ready[b] += 1
 
@@ -313,6 +325,8 @@ class ShardedStrategy(Strategy):
             compress=self._arp.gradient_codec,
             out=self._grad,
         )
+        if self._model_grad is not self._grad:
+            self._model_grad.copy_(self._grad)  # rounded once, the same on every rank
         for p, view, used in zip(self.params, self._grad_views, flags.tolist(), strict=False):
             if used > 0 and (p.grad is None or p.grad.data_ptr() != view.data_ptr()):
                 p.grad = view
@@ -339,7 +353,7 @@ class ShardedStrategy(Strategy):
             grad = self.params[piece.index].grad
             if grad is not None:
                 flat = grad.detach().reshape(-1)
-                grad = flat[piece.offset : piece.offset + piece.view.numel()]
+                grad = flat[piece.offset : piece.offset + piece.view.numel()].float()
             grads.append(grad)
         self._opt.step_pieces(grads)
         self._arp.get_weights(self._flat).wait()
