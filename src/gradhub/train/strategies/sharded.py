@@ -184,7 +184,6 @@ class ShardedStrategy(Strategy):
             p.data = self._flat[offset : offset + p.numel()].view_as(p)
             self._grad_views.append(self._model_grad[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
-        self._start_responder()
         self._arp = AllReduceParameter(
             size, group=self.runtime.group, compress=self.config.compress
         )
@@ -195,6 +194,7 @@ class ShardedStrategy(Strategy):
             self._load_pieces(loaded)
             optimizer.state.clear()
         self._build_buckets()
+        self._start_responder()  # last: a request may come as soon as it runs
 
     def _check_supported(self, optimizer: torch.optim.Optimizer) -> None:
         check_elementwise(optimizer, where="strategy 'sharded'")
