@@ -12,13 +12,29 @@ as the slower rank's time from a common barrier:
   - ``RS+AG fp32 in place``: the reduce-scatter writes the input's own slice and
     the all-gather writes over the input (an in-place all-reduce);
   - ``RS+AG bf16``: out of place with ``"bf16"`` on the wire;
-  - ``AllReduceParameter cycle``: ``put_gradients``,
-    ``aggregate_gradient_partition``, ``send_weight_partition``, ``get_weights``.
+  - ``AllReduceParameter cycle``: ``put_gradients(x)``,
+    ``aggregate_gradient_partition(1)``, ``send_weight_partition``,
+    ``get_weights(w).wait()`` with plain tensors (the gradient is copied in,
+    the weights gathered out);
+  - ``AllReduceParameter cycle, bound``: the same calls given the flat
+    buffers a bound model's parameters and grads are views of
+    (``flat_gradients`` holds the gradient, ``get_weights(flat_weights)``):
+    the zero-copy cycle.
+- ``user ...``: the two cycles on ``AllReduceParameter(n)`` of the user's own
+  ``dist.init_process_group("gloo")`` (group=None: the transport gradhub picks).
 - ``gloo all_reduce``: ``torch.distributed.all_reduce``, the baseline.
 - ``gloo RS+AG``: gloo's ``reduce_scatter_single`` + ``all_gather_single``
   (``reduce_scatter_tensor``/``all_gather_into_tensor`` before torch 2.13).
 - ``p2p floor``: two plain ``isend``/``irecv`` exchanges of half the vector
   each way, no arithmetic: what the wire alone costs for RS+AG on gloo.
+
+Floors, from this machine's one-thread copy bandwidth C (bytes copied per
+second, measured at the start and recorded): with h the bytes of half the
+vector, an in-place RS+AG through shared memory must, per rank, copy its
+other half into shared memory (h), add the peer's copy of its own half to
+its own (read 2h, write h: 1.5 h of copying), publish that sum (h) and
+copy the peer's sum out (h): 4.5 h / C. The copying cycle adds the gradient
+copy in (2h), the published snapshot (h) and its copy out (h): 8.5 h / C.
 
 Bus bandwidth per nccl-tests: algbw = 4 * n bytes / time, and for all-reduce
 (and reduce-scatter + all-gather, which move the same bytes)
@@ -28,11 +44,14 @@ all_reduce (< 1: faster). Writes ``collectives.json`` and ``collectives.md``
 to ``--out`` and prints the table.
 
     python benchmarks/collectives.py [--rounds 9] [--sizes 1024 4194304 ...]
+
+Also records the load average before and after the run.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import time
@@ -43,12 +62,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from _common import RESULTS, rank_zero_result, write_results
+from _common import RESULTS, machine_note, rank_zero_result, write_results
 from gradhub.collective import (
     AllReduceParameter,
     CollectiveGroup,
     all_gather,
-    local_group,
     reduce_scatter,
 )
 from gradhub.partition import partition_range
@@ -57,21 +75,52 @@ WORLD_SIZE = 2
 SIZES = [1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22, 1 << 24, 25_000_000]
 BASELINE = "gloo all_reduce"
 TRANSPORTS = ["ring", "shm"]
-OURS = ["RS+AG fp32", "RS+AG fp32 in place", "RS+AG bf16", "AllReduceParameter cycle"]
+CYCLES = ["AllReduceParameter cycle", "AllReduceParameter cycle, bound"]
+OURS = ["RS+AG fp32", "RS+AG fp32 in place", "RS+AG bf16", *CYCLES]
 METHODS = [
     *(f"{t} {m}" for m in OURS for t in TRANSPORTS),
+    *(f"user {m}" for m in CYCLES),
     BASELINE,
     "gloo RS+AG",
     "p2p floor",
 ]
+FLOOR_HALVES = {"RS+AG fp32 in place": 4.5, "AllReduceParameter cycle, bound": 4.5}
+FLOOR_HALVES["AllReduceParameter cycle"] = 8.5
 
 _rs_native = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _ag_native = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+Method = Callable[[torch.Tensor], None]
+
+
+def cycles(
+    parameter: AllReduceParameter, weights: torch.Tensor
+) -> tuple[Method, Method, torch.Tensor]:
+    """The copying cycle, the bound one, and the buffer the bound one reduces."""
+
+    def copying(x: torch.Tensor) -> None:
+        parameter.put_gradients(x)
+        parameter.aggregate_gradient_partition(1)
+        parameter.send_weight_partition()
+        parameter.get_weights(weights).wait()
+
+    flat_weights, flat_gradients = parameter.flat_weights, parameter.flat_gradients
+
+    def bound(x: torch.Tensor) -> None:
+        parameter.put_gradients(flat_gradients)
+        parameter.aggregate_gradient_partition(1)
+        parameter.send_weight_partition()
+        parameter.get_weights(flat_weights).wait()
+
+    return copying, bound, flat_gradients
+
+
 def make_methods(
     rank: int, n: int, groups: dict[str, CollectiveGroup]
-) -> dict[str, Callable[[torch.Tensor], None]]:
+) -> tuple[dict[str, Method], dict[str, torch.Tensor], list[AllReduceParameter]]:
+    """The methods by name, the input each reads where it is not ``x``, and
+    the parameters to close."""
     start, length = partition_range(n, WORLD_SIZE, rank)
     half = -(-n // WORLD_SIZE)  # gloo's tensor collectives need equal slices
     padded_in = torch.zeros(half * WORLD_SIZE)
@@ -81,7 +130,9 @@ def make_methods(
     other = 1 - rank
     inbox = torch.empty(n)
     weights = torch.empty(n)
-    methods: dict[str, Callable[[torch.Tensor], None]] = {}
+    methods: dict[str, Method] = {}
+    inputs: dict[str, torch.Tensor] = {}
+    parameters = []
 
     for transport, group in groups.items():
 
@@ -99,19 +150,23 @@ def make_methods(
             reduce_scatter(x, group=g, out=mine)
             all_gather(mine, n, group=g, out=x)
 
-        parameter = AllReduceParameter(n, group=group)
-        parameter.init(torch.zeros(n))
-
-        def cycle(x: torch.Tensor, p: AllReduceParameter = parameter) -> None:
-            p.put_gradients(x)
-            p.aggregate_gradient_partition(1)
-            p.send_weight_partition()
-            p.get_weights(weights).wait()
-
         methods[f"{transport} RS+AG fp32"] = out_of_place("none")
         methods[f"{transport} RS+AG fp32 in place"] = in_place
         methods[f"{transport} RS+AG bf16"] = out_of_place("bf16")
-        methods[f"{transport} AllReduceParameter cycle"] = cycle
+
+    # the cycles: on each transport, and as a user writes it (group=None: the
+    # user's own default group, the transport gradhub picks for it)
+    for prefix, group_or_none in [*groups.items(), ("user", None)]:
+        # two objects: the bound one publishes its master in place
+        copying = AllReduceParameter(n, group=group_or_none)
+        copying.init(torch.zeros(n))
+        bound = AllReduceParameter(n, group=group_or_none)
+        bound.init(torch.zeros(n))
+        parameters += [copying, bound]
+        methods[f"{prefix} AllReduceParameter cycle"] = cycles(copying, weights)[0]
+        _, run_bound, buffer = cycles(bound, weights)
+        methods[f"{prefix} AllReduceParameter cycle, bound"] = run_bound
+        inputs[f"{prefix} AllReduceParameter cycle, bound"] = buffer
 
     def gloo_all_reduce(x: torch.Tensor) -> None:
         dist.all_reduce(x)
@@ -133,29 +188,35 @@ def make_methods(
     methods[BASELINE] = gloo_all_reduce
     methods["gloo RS+AG"] = gloo_rs_ag
     methods["p2p floor"] = p2p_floor
-    return methods
+    return methods, inputs, parameters
 
 
 def rank_main(rank: int, port: int, sizes: list[int], rounds: int, queue: mp.Queue) -> None:
     warnings.simplefilter("ignore", FutureWarning)  # torch's renamed-collective notices
     torch.set_num_threads(1)
-    with local_group(rank, WORLD_SIZE, port, timeout=300, transport="ring") as ring:
-        shm = ring.sibling()  # same process group, its own counters and transport
-        shm.transport = "shm"
+    # the user's own group, as a torch script makes it
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE
+    )
+    with (
+        CollectiveGroup.of(None, timeout=300, transport="ring") as ring,
+        CollectiveGroup.of(None, timeout=300, transport="shm") as shm,
+    ):
         groups = {"ring": ring, "shm": shm}
         results: dict[str, dict[str, list[float]]] = {}
         for n in sizes:
-            methods = make_methods(rank, n, groups)
+            methods, inputs, parameters = make_methods(rank, n, groups)
             source = torch.randn(n, generator=torch.Generator().manual_seed(rank))
             x = source.clone()
             times: dict[str, list[float]] = {m: [] for m in METHODS}
             reps = max(1, min(20, (1 << 22) // max(n, 1)))  # several calls per sample when small
             for name in METHODS:  # warm-up: buffers, connections
-                methods[name](x)
+                methods[name](inputs.get(name, x))
             for r in range(rounds):
                 order = METHODS[r % len(METHODS) :] + METHODS[: r % len(METHODS)]
                 for name in order:
                     x.copy_(source)
+                    inputs.get(name, x).copy_(source)
                     dist.barrier()
                     begin = time.perf_counter()
                     for _ in range(reps):
@@ -164,12 +225,17 @@ def rank_main(rank: int, port: int, sizes: list[int], rounds: int, queue: mp.Que
                     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                     times[name].append(float(elapsed))
             results[str(n)] = times
-        shm.close()
+            for parameter in parameters:
+                parameter.close()
         if rank == 0:
             queue.put(results)
+    dist.destroy_process_group()
 
 
-def summarise(raw: dict[str, dict[str, list[float]]]) -> list[dict[str, object]]:
+def summarise(raw: dict[str, dict[str, list[float]]], copy_gbps: float) -> list[dict[str, object]]:
+    """Per size and method: median, spread, bandwidth, ratio to gloo all_reduce
+    (of the medians, and median and min-max of the per-round ratios), and
+    the floor (see the module docstring) where one is stated."""
     rows = []
     factor = 2 * (WORLD_SIZE - 1) / WORLD_SIZE
     for n_text, times in raw.items():
@@ -178,6 +244,9 @@ def summarise(raw: dict[str, dict[str, list[float]]]) -> list[dict[str, object]]
         for name, samples in times.items():
             med = statistics.median(samples)
             algbw = 4 * n / med / 1e9
+            per_round = [t / b for t, b in zip(samples, times[BASELINE], strict=True)]
+            halves = next((h for m, h in FLOOR_HALVES.items() if name.endswith(m)), None)
+            floor = None if halves is None else halves * 2 * n / (copy_gbps * 1e9)
             rows.append(
                 {
                     "elements": n,
@@ -188,22 +257,75 @@ def summarise(raw: dict[str, dict[str, list[float]]]) -> list[dict[str, object]]
                     "algbw_GBps": algbw,
                     "busbw_GBps": algbw * factor,
                     "ratio_to_all_reduce": med / base,
+                    "round_ratios": {
+                        "median": statistics.median(per_round),
+                        "min": min(per_round),
+                        "max": max(per_round),
+                    },
+                    "floor_ms": None if floor is None else floor * 1e3,
                     "samples": len(samples),
                 }
             )
     return rows
 
 
-def markdown(rows: list[dict[str, object]]) -> str:
+GOALS = [
+    ("user AllReduceParameter cycle, bound", BASELINE, "<= 0.6 from 4M"),
+    ("user AllReduceParameter cycle, bound", "shm RS+AG fp32 in place", "<= 1.1"),
+    ("user AllReduceParameter cycle", BASELINE, ""),
+    ("shm RS+AG fp32 in place", BASELINE, "<= 0.45 or 1.3x floor"),
+]
+
+
+def goals(raw: dict[str, dict[str, list[float]]]) -> list[dict[str, object]]:
+    """Ratios of times taken in the same rounds: median and min-max over rounds."""
+    out = []
+    for n_text, times in raw.items():
+        for num, den, goal in GOALS:
+            ratios = [a / b for a, b in zip(times[num], times[den], strict=True)]
+            out.append(
+                {
+                    "elements": int(n_text),
+                    "figure": f"{num} / {den}",
+                    "goal": goal,
+                    "median": statistics.median(ratios),
+                    "min": min(ratios),
+                    "max": max(ratios),
+                }
+            )
+    return out
+
+
+def markdown(rows: list[dict[str, object]], goal_rows: list[dict[str, object]], note: str) -> str:
     lines = [
-        "| elements | method | median ms | spread ms | busbw GB/s | time / gloo all_reduce |",
-        "| ---: | --- | ---: | ---: | ---: | ---: |",
+        note,
+        "",
+        "| elements | method | median ms | spread ms | floor ms | busbw GB/s "
+        "| time / gloo all_reduce | per round: median [min, max] |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for row in rows:
+        rr = row["round_ratios"]
+        assert isinstance(rr, dict)
+        floor = row["floor_ms"]
         lines.append(
             f"| {row['elements']:,} | {row['method']} | {row['median_ms']:.3f} | "
-            f"{row['min_ms']:.3f}-{row['max_ms']:.3f} | {row['busbw_GBps']:.2f} | "
-            f"{row['ratio_to_all_reduce']:.2f} |"
+            f"{row['min_ms']:.3f}-{row['max_ms']:.3f} | "
+            f"{'' if floor is None else f'{floor:.2f}'} | {row['busbw_GBps']:.2f} | "
+            f"{row['ratio_to_all_reduce']:.2f} | "
+            f"{rr['median']:.2f} [{rr['min']:.2f}, {rr['max']:.2f}] |"
+        )
+    lines += [
+        "",
+        "Ratios of times taken in the same rounds (median [min, max] over rounds):",
+        "",
+        "| elements | figure | goal | measured |",
+        "| ---: | --- | --- | --- |",
+    ]
+    for g in goal_rows:
+        lines.append(
+            f"| {g['elements']:,} | {g['figure']} | {g['goal']} | "
+            f"{g['median']:.2f} [{g['min']:.2f}, {g['max']:.2f}] |"
         )
     return "\n".join(lines)
 
@@ -214,18 +336,32 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9, help="alternation rounds per size")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
+    if args.rounds < 5:
+        parser.error("--rounds must be at least 5")
 
+    before = machine_note()
     raw = rank_zero_result(rank_main, WORLD_SIZE, args.sizes, args.rounds)
-    rows = summarise(raw)
-    table = markdown(rows)
+    after = os.getloadavg()
+    rows = summarise(raw, before["copy_GBps_median"])
+    goal_rows = goals(raw)
+    note = (
+        f"2 ranks, gloo on 127.0.0.1, torch {torch.__version__}, {args.rounds} alternating "
+        f"rounds; one-thread copy {before['copy_GBps_median']:.1f} GB/s "
+        f"[{before['copy_GBps_min']:.1f}, {before['copy_GBps_max']:.1f}]; load average "
+        f"{before['loadavg'][0]:.2f} before, {after[0]:.2f} after."
+    )
+    table = markdown(rows, goal_rows, note)
     report = {
         "benchmark": "collectives",
         "world_size": WORLD_SIZE,
         "backend": "gloo",
         "torch": torch.__version__,
         "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads in the parent",
+        "copy_bandwidth": before,
+        "loadavg_after": list(after),
         "rounds": args.rounds,
         "rows": rows,
+        "goals": goal_rows,
     }
     write_results(args.out, "collectives", report, table + "\n")
     print(table)

@@ -27,6 +27,13 @@ gradients at once for a few seconds, to the default and to the durable server
 alternately: pushes per second and, for the durable one, pushes per ``fsync``
 (group commit: the server syncs once per batch of requests it drained).
 
+Floors, from this machine's one-thread copy bandwidth C (bytes copied per
+second, measured at the start and recorded with the load average): a
+same-host push of B bytes copies the gradient into the arena (B) and the
+server's SGD reads the value and the gradient and writes the value (1.5 B of
+copying): 2.5 B / C; a pull copies the value into the arena and out of it
+again: 2 B / C. Both sides run one after the other (synchronous ops).
+
 Writes ``parameter_server.json`` and ``parameter_server.md`` to ``--out``
 (default ``benchmarks/results``) and prints the Markdown table. Ray is used
 only if it can be imported (``pip install gradhub[bench]``).
@@ -52,14 +59,22 @@ from typing import Any
 
 import torch
 
-from _common import RESULTS, write_results
+from _common import RESULTS, machine_note, write_results
 
-SIZES = {"4 B": 4, "4 KB": 4 << 10, "1 MB": 1 << 20, "16 MB": 16 << 20, "100 MB": 100 << 20}
+SIZES = {
+    "4 B": 4,
+    "4 KB": 4 << 10,
+    "1 MB": 1 << 20,
+    "16 MB": 16 << 20,
+    "64 MB": 64 << 20,
+    "100 MB": 100 << 20,
+}
+GOAL_SIZES = ("16 MB", "64 MB")
 LR = 1e-9
 
 
 def _iters(nbytes: int, quick: bool) -> int:
-    n = 2000 if nbytes <= 4096 else 200 if nbytes <= 1 << 20 else 30 if nbytes <= 16 << 20 else 8
+    n = 2000 if nbytes <= 4096 else 200 if nbytes <= 1 << 20 else 30 if nbytes <= 16 << 20 else 10
     return max(4, n // 4) if quick else n
 
 
@@ -307,7 +322,7 @@ def _percentile(xs: list[float], q: float) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a quarter of the iterations")
-    parser.add_argument("--rounds", type=int, default=3, help="alternation rounds")
+    parser.add_argument("--rounds", type=int, default=5, help="alternation rounds (>= 5)")
     parser.add_argument("--sizes", nargs="*", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--workers", type=int, default=4, help="concurrent pushers")
@@ -317,7 +332,10 @@ def main(argv: list[str] | None = None) -> int:
         "--no-concurrent", action="store_true", help="skip the concurrent pushers' table"
     )
     args = parser.parse_args(argv)
-    load = os.getloadavg()[0]  # before this run loads the machine
+    if args.rounds < 5:
+        parser.error("--rounds must be at least 5")
+    note = machine_note()  # before this run loads the machine
+    load = note["loadavg"][0]
     torch.set_num_threads(1)
 
     Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -381,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
                 "ops_per_s": 1 / mean,
                 "gb_per_s": SIZES[label] / mean / 1e9,
                 "gradhub_speedup": ratio,  # peer p50 / gradhub p50 per round: median, min, max
+                "floor_ms": _floor(SIZES[label], op, note["copy_GBps_median"]) * 1e3,
             }
         )
     meta = {
@@ -390,8 +409,12 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "systems": names,
         "rounds": args.rounds,
+        "copy_bandwidth": note,
+        "loadavg_after": list(os.getloadavg()),
         "note": "one client and one server process on this machine; synchronous ops; "
-        f"load average {load:.1f} when the run started",
+        f"load average {load:.1f} when the run started, {os.getloadavg()[0]:.1f} at its end; "
+        f"one-thread copy {note['copy_GBps_median']:.1f} GB/s "
+        f"[{note['copy_GBps_min']:.1f}, {note['copy_GBps_max']:.1f}]",
     }
     goals = _goals(per_round)
     md = _markdown(rows, meta) + "\n" + _goals_markdown(goals)
@@ -401,6 +424,11 @@ def main(argv: list[str] | None = None) -> int:
     write_results(args.out, "parameter_server", report, md)
     print(md)
     return 0
+
+
+def _floor(nbytes: int, op: str, copy_gbps: float) -> float:
+    """Seconds the same-host arena must spend copying (see the module docstring)."""
+    return (2.5 if op == "push" else 2.0) * nbytes / (copy_gbps * 1e9)
 
 
 def _goals(per_round: dict[tuple[str, str, str], list[float]]) -> list[dict[str, Any]]:
@@ -416,7 +444,7 @@ def _goals(per_round: dict[tuple[str, str, str], list[float]]) -> list[dict[str,
         r = [x / y for x, y in zip(a, b, strict=True)]
         return statistics.median(r), min(r), max(r)
 
-    for label in ("16 MB", "100 MB"):
+    for label in GOAL_SIZES:
         for op in ("push", "pull"):
             for name in ("gradhub", "gradhub zmq"):
                 r = ratio(label, op, "torch.rpc", name)  # rpc time / ours = our GB/s / rpc's
@@ -500,15 +528,16 @@ def _markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "alternating rounds, [min, max]); for gradhub --durable this ratio is its cost "
         "(durable p50 / default p50).",
         "",
-        "| size | op | system | n | p50 ms | p99 ms | ops/s | GB/s | gradhub speedup |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| size | op | system | n | p50 ms | p99 ms | floor ms | ops/s | GB/s | gradhub speedup |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in rows:
         sp = r["gradhub_speedup"]
         speed = "" if sp is None else f"{sp[0]:.2f}x [{sp[1]:.2f}, {sp[2]:.2f}]"
         lines.append(
             f"| {r['size']} | {r['op']} | {r['system']} | {r['n']} | {r['p50_ms']:.3f} | "
-            f"{r['p99_ms']:.3f} | {r['ops_per_s']:.0f} | {r['gb_per_s']:.3f} | {speed} |"
+            f"{r['p99_ms']:.3f} | {r['floor_ms']:.3f} | {r['ops_per_s']:.0f} | "
+            f"{r['gb_per_s']:.3f} | {speed} |"
         )
     return "\n".join(lines) + "\n"
 

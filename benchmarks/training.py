@@ -1,12 +1,13 @@
 """Training steps: gradhub ``allreduce`` and ``sharded`` beside DistributedDataParallel.
 
 Two processes on 127.0.0.1 (gloo, one intra-op thread each), MLPs of about
-1.9M and 20M parameters, 64 samples per rank per step (global batch 128),
-SGD. In every round each contender runs ``--steps`` steps on the same fixed
-batches, the order rotating round by round (A, B, C / B, C, A / ...):
+1.9M (784-1024-1024-10) and 21M (1024-4096-4096-10) parameters, 64 samples
+per rank per step (global batch 128), SGD. In every round each contender
+runs ``--steps`` steps on the same fixed batches, the order rotating round
+by round (A, B, C / B, C, A / ...):
 
-- ``DDP``: ``torch.nn.parallel.DistributedDataParallel`` (gloo, 25 MB buckets),
-  the peer;
+- ``DDP``: ``torch.nn.parallel.DistributedDataParallel`` (25 MB buckets) on
+  its own gloo group (``dist.new_group``) in the same processes, the peer;
 - ``gradhub allreduce``: :class:`gradhub.train.strategies.allreduce.AllReduceStrategy`
   (25 MB buckets, overlapped with backward, sample-weighted);
 - ``gradhub sharded``: :class:`gradhub.train.strategies.sharded.ShardedStrategy`
@@ -32,10 +33,13 @@ round's median to DDP's in the same round (robust to load that changes
 between rounds; not defined for the single process, timed apart). Also
 checks that DDP and gradhub allreduce end with the same parameters (equal
 batch sizes: weighted mean == DDP's mean).
-Writes ``training.json`` and ``training.md`` to ``--out`` and prints the table.
+Records this machine's one-thread copy bandwidth and the load average before
+and after. Writes ``training.json`` and ``training.md`` to ``--out`` and prints
+the table.
 On a 2-core machine the two ranks fill both cores.
 
     python benchmarks/training.py [--rounds 5] [--steps 4] [--methods "prepare + sharded,..."]
+        [--models "MLP 21M"]
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ import copy
 import dataclasses
 import itertools
 import math
+import os
 import platform
 import statistics
 import time
@@ -55,7 +60,7 @@ import torch
 from torch import nn
 
 import gradhub
-from _common import RESULTS, rank_zero_result, write_results
+from _common import RESULTS, machine_note, rank_zero_result, write_results
 from gradhub.collective import local_group
 from gradhub.train.strategies import make_strategy
 
@@ -63,7 +68,7 @@ WORLD_SIZE = 2
 PER_RANK = 64
 MODELS = {
     "MLP 1.9M": [784, 1024, 1024, 10],
-    "MLP 20M": [784, 4096, 4096, 10],
+    "MLP 21M": [1024, 4096, 4096, 10],
 }
 PEER = "DDP"
 TRANSPORTS = ["shm", "ring"]
@@ -92,7 +97,11 @@ def batch(rank: int, n: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def contenders(
-    widths: list[int], x: torch.Tensor, y: torch.Tensor, runtimes: dict[str, gradhub.Runtime]
+    widths: list[int],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    runtimes: dict[str, gradhub.Runtime],
+    ddp_group: Any,
 ) -> tuple[dict[str, Callable[[], None]], dict[str, nn.Module], list[Any]]:
     base = make_mlp(widths)
     loss_fn = nn.functional.cross_entropy
@@ -100,7 +109,7 @@ def contenders(
     models: dict[str, nn.Module] = {}
 
     ddp_model = copy.deepcopy(base)
-    ddp = nn.parallel.DistributedDataParallel(ddp_model)
+    ddp = nn.parallel.DistributedDataParallel(ddp_model, process_group=ddp_group)
     ddp_opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
 
     def ddp_step() -> None:
@@ -144,7 +153,13 @@ def contenders(
 
 
 def rank_main(
-    rank: int, port: int, rounds: int, steps: int, methods: list[str], queue: Any
+    rank: int,
+    port: int,
+    rounds: int,
+    steps: int,
+    methods: list[str],
+    models: list[str],
+    queue: Any,
 ) -> None:
     torch.set_num_threads(1)
     with local_group(rank, WORLD_SIZE, port, timeout=600):
@@ -155,10 +170,12 @@ def rank_main(
             "shm": runtime,
             "ring": dataclasses.replace(runtime, group=ring, owns_group=False),
         }
+        ddp_group = torch.distributed.new_group(backend="gloo")  # DDP's own
         report: dict[str, Any] = {}
-        for label, widths in MODELS.items():
+        for label in models:
+            widths = MODELS[label]
             x, y = batch(rank, PER_RANK, widths[0])
-            fns, models, strategies = contenders(widths, x, y, runtimes)
+            fns, nets, strategies = contenders(widths, x, y, runtimes, ddp_group)
             for name in methods:  # warm-up: allocations, gloo pairs
                 fns[name]()
                 fns[name]()
@@ -174,8 +191,8 @@ def rank_main(
                         per_step.append(time.perf_counter() - t0)
                     times[name].append(per_step)
             same_steps = [m for m in methods if "allreduce" in m]  # as many steps as DDP
-            diff = _max_diff(models[PEER], models[same_steps[0]]) if same_steps else math.nan
-            params = sum(p.numel() for p in models[PEER].parameters())
+            diff = _max_diff(nets[PEER], nets[same_steps[0]]) if same_steps else math.nan
+            params = sum(p.numel() for p in nets[PEER].parameters())
             report[label] = {"params": params, "times": times, "ddp_vs_allreduce_max_diff": diff}
             for s in strategies:
                 s.close()
@@ -192,10 +209,11 @@ def _max_diff(a: nn.Module, b: nn.Module) -> float:
     )
 
 
-def single_process(rounds: int, steps: int) -> dict[str, list[list[float]]]:
+def single_process(rounds: int, steps: int, models: list[str]) -> dict[str, list[list[float]]]:
     torch.set_num_threads(2)
     out: dict[str, list[list[float]]] = {}
-    for label, widths in MODELS.items():
+    for label in models:
+        widths = MODELS[label]
         model = make_mlp(widths)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         xs, ys = zip(*(batch(r, PER_RANK, widths[0]) for r in range(WORLD_SIZE)), strict=True)
@@ -237,9 +255,8 @@ def summarise(report: dict[str, Any], single: dict[str, list[list[float]]]) -> l
             round_medians = [statistics.median(rnd) for rnd in rounds]
             # Each round runs every contender back to back: the ratio within a
             # round cancels most of the load that other jobs put on the machine.
-            paired = statistics.median(
-                m / p for m, p in zip(round_medians, peer_rounds, strict=False)
-            )
+            per_round = [m / p for m, p in zip(round_medians, peer_rounds, strict=False)]
+            paired = statistics.median(per_round)
             rows.append(
                 {
                     "model": label,
@@ -250,6 +267,9 @@ def summarise(report: dict[str, Any], single: dict[str, list[list[float]]]) -> l
                     "samples_per_s": PER_RANK * WORLD_SIZE / med,
                     "ratio_to_ddp": med / peer,
                     "paired_ratio_to_ddp": paired if name != BASELINE else math.nan,
+                    "paired_spread": [min(per_round), max(per_round)]
+                    if name != BASELINE
+                    else [math.nan, math.nan],
                     "ddp_vs_allreduce_max_diff": entry["ddp_vs_allreduce_max_diff"],
                 }
             )
@@ -263,15 +283,21 @@ def _times(ratio: float) -> str:
 def markdown(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| model | method | median step (ms) | round medians min-max (ms) | samples/s "
-        "| vs DDP | vs DDP, per round |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        "| vs DDP | vs DDP, per round: median [min, max] |",
+        "| --- | --- | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in rows:
         lo, hi = r["spread_ms"]
         lines.append(
             f"| {r['model']} ({r['params'] / 1e6:.2f}M) | {r['method']} | "
             f"{r['median_step_ms']:.1f} | {lo:.1f}-{hi:.1f} | {r['samples_per_s']:,.0f} | "
-            f"{r['ratio_to_ddp']:.2f}x | {_times(r['paired_ratio_to_ddp'])} |"
+            f"{r['ratio_to_ddp']:.2f}x | {_times(r['paired_ratio_to_ddp'])}"
+            + (
+                ""
+                if math.isnan(r["paired_spread"][0])
+                else f" [{r['paired_spread'][0]:.2f}, {r['paired_spread'][1]:.2f}]"
+            )
+            + " |"
         )
     return "\n".join(lines)
 
@@ -286,13 +312,23 @@ def main() -> None:
         default=",".join(CONTENDERS),
         help=f"comma-separated contenders to time (DDP always): {', '.join(CONTENDERS)}",
     )
+    parser.add_argument(
+        "--models", default=",".join(MODELS), help=f"comma-separated: {', '.join(MODELS)}"
+    )
     args = parser.parse_args()
+    if args.rounds < 5:
+        parser.error("--rounds must be at least 5")
+    models = [m for m in args.models.split(",") if m]
+    if any(m not in MODELS for m in models):
+        parser.error(f"unknown model(s) in {models}; choose from {list(MODELS)}")
     methods = [PEER] + [m for m in args.methods.split(",") if m and m != PEER]
     unknown = [m for m in methods if m not in CONTENDERS]
     if unknown:
         parser.error(f"unknown method(s) {unknown}; choose from {CONTENDERS}")
-    report = rank_zero_result(rank_main, WORLD_SIZE, args.rounds, args.steps, methods)
-    single = single_process(args.rounds, args.steps)
+    before = machine_note()
+    report = rank_zero_result(rank_main, WORLD_SIZE, args.rounds, args.steps, methods, models)
+    single = single_process(args.rounds, args.steps, models)
+    after = os.getloadavg()
     rows = summarise(report, single)
     table = markdown(rows)
     meta = {
@@ -304,10 +340,17 @@ def main() -> None:
         "rounds": args.rounds,
         "steps_per_round": args.steps,
         "note": "2 ranks on a 2-core machine fill both cores; 1 intra-op thread per rank",
+        "copy_bandwidth": before,
+        "loadavg_after": list(after),
     }
     diffs = {r["model"]: r["ddp_vs_allreduce_max_diff"] for r in rows}
     note = ", ".join(f"{m}: {d:.1e}" for m, d in diffs.items())
-    text = f"{table}\n\nmax |DDP - gradhub allreduce| parameter difference at the end: {note}\n"
+    text = (
+        f"{args.rounds} alternating rounds of {args.steps} steps; one-thread copy "
+        f"{before['copy_GBps_median']:.1f} GB/s; load average {before['loadavg'][0]:.2f} "
+        f"before, {after[0]:.2f} after.\n\n{table}\n\n"
+        f"max |DDP - gradhub allreduce| parameter difference at the end: {note}\n"
+    )
     write_results(args.out, "training", {"meta": meta, "rows": rows}, text)
     print(text)
 

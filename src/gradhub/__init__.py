@@ -35,9 +35,10 @@ from gradhub.ps.local import LocalParameterServer
 from gradhub.ps.remote import RemoteParameterServer
 from gradhub.runtime import Runtime, init
 from gradhub.train.distributed_optimizer import DistributedOptimizer
+from gradhub.train.fit_config import FitConfig, FitResult
 from gradhub.train.grad_scaler import GradScaler
 from gradhub.train.prepare import check_in_sync, clip_grad_norm_, prepare
-from gradhub.train.trainer import DataParallelTrainer, FitConfig, FitResult
+from gradhub.train.trainer import DataParallelTrainer
 from gradhub.train.wrapped_model import PreparedModel
 
 __all__ = [

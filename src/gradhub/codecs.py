@@ -21,11 +21,23 @@ Codecs shipped (``get(name)``):
                      FP16CompressedTensor): 1.111111 -> 1.109375, integers up
                      to 256 exact; relative error < 2**-7, always towards 0.
 ===================  =======================================================
+
+The ``compress=`` vocabulary (one registry, one check): every ``compress=``
+of gradhub names either a *wire codec* (above: what travels; the ``sharded``
+and ``ps-*`` strategies, :class:`~gradhub.RemoteParameterServer`,
+:class:`~gradhub.AllReduceParameter` and the collectives take these) or a
+*bucket reducer* (how the ``allreduce`` strategy sums a gradient bucket:
+``"none"``, ``"fp16"``, ``"bf16"``, ``"powersgd"``, and the names
+:func:`gradhub.train.reducers.register` adds). :func:`check` is the one
+validation every entry point calls, so an unknown name is refused with the
+same message everywhere, listing the names that entry point takes.
 """
 
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -116,23 +128,79 @@ class BF16Truncate(Codec):
 
 
 _CODECS: dict[str, type[Codec]] = {c.name: c for c in (NoCompression, FP16, BF16, BF16Truncate)}
-"""The one registry of codec names. Its order gives each codec its code in the
-parameter-server wire header: add new codecs at the end."""
+"""The wire codecs. Their order gives each codec its code in the parameter-server
+wire header: add new codecs at the end."""
+
+WIRE = "wire codec"
+"""Kind of a ``compress=`` name: a :class:`Codec` (what travels)."""
+BUCKET = "bucket reducer"
+"""Kind of a ``compress=`` name: a bucket reducer of the ``allreduce`` strategy."""
+
+ENTRY_POINTS: dict[str, str] = {
+    "allreduce": BUCKET,
+    "sharded": WIRE,
+    "ps-async/ps-sync/ps-ssp": WIRE,
+    "RemoteParameterServer": WIRE,
+    "AllReduceParameter": WIRE,
+    "a wire codec": WIRE,
+}
+"""What each ``compress=`` takes (the ``for_`` of :func:`check`)."""
+
+_REDUCERS: dict[str, Callable[..., Any]] = {}
+"""Bucket reducer factories by name. Filled when :mod:`gradhub.train.reducers` is
+imported (its built-ins) and by :func:`gradhub.train.reducers.register`: the one
+piece of module-level state of the vocabulary, as a plug-in registry is."""
 
 
-def available() -> list[str]:
-    """Names accepted by :func:`get`."""
-    return list(_CODECS)
+def available(kind: str = WIRE) -> list[str]:
+    """The names of ``kind`` (:data:`WIRE`: in wire-code order; :data:`BUCKET`: sorted)."""
+    if kind == WIRE:
+        return list(_CODECS)
+    if kind == BUCKET:
+        return sorted(_REDUCERS)
+    raise ValueError(f"unknown kind {kind!r}; choose {WIRE!r} or {BUCKET!r}")
 
 
-def get(name: str | Codec) -> Codec:
-    """The codec called ``name`` (a codec instance is returned as is)."""
+def check(name: object, *, for_: str) -> str:
+    """The canonical name if ``name`` is a ``compress=`` value that ``for_`` (a key
+    of :data:`ENTRY_POINTS`: a strategy or a class) takes, else ``ValueError``
+    naming the entry point and listing what it takes. Wire codec names are
+    case-insensitive; a :class:`Codec` instance passes where a wire codec does."""
+    kind = ENTRY_POINTS[for_]
+    if kind == WIRE:
+        if isinstance(name, Codec):
+            return name.name
+        if isinstance(name, str) and name.lower() in _CODECS:
+            return name.lower()
+    elif isinstance(name, str) and name in _REDUCERS:
+        return name
+    extra = "; gradhub.train.reducers.register adds one" if kind == BUCKET else ""
+    raise ValueError(
+        f"unknown compress={name!r} for {for_}\n"
+        f"- help: choose one of {', '.join(available(kind))} ({kind}s{extra})"
+    )
+
+
+def get(name: str | Codec, *, for_: str = "a wire codec") -> Codec:
+    """The codec called ``name`` (a codec instance is returned as is); ``for_``
+    names the caller in the error for an unknown name (:func:`check`)."""
     if isinstance(name, Codec):
         return name
-    try:
-        return _CODECS[name.lower()]()
-    except (KeyError, AttributeError):
-        raise ValueError(f"unknown codec {name!r}; choose one of {', '.join(_CODECS)}") from None
+    return _CODECS[check(name, for_=for_)]()
+
+
+def register_reducer(name: str, factory: Callable[..., Any]) -> None:
+    """Add a bucket reducer name (:func:`gradhub.train.reducers.register` calls this)."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a bucket reducer name is a non-empty str, got {name!r}")
+    if name in _REDUCERS:
+        raise ValueError(f"a bucket reducer called {name!r} is already registered")
+    _REDUCERS[name] = factory
+
+
+def reducer_factory(name: str) -> Callable[..., Any]:
+    """The factory of the bucket reducer ``name`` (``ValueError`` listing them if unknown)."""
+    return _REDUCERS[check(name, for_="allreduce")]
 
 
 class ErrorFeedback:

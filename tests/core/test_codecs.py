@@ -13,7 +13,7 @@ COMPRESSED = ["fp16", "bf16", "bf16-truncate"]
 def test_get_knows_every_codec_and_refuses_others() -> None:
     assert set(codecs.available()) == {"none", *COMPRESSED}
     assert codecs.get("BF16").name == "bf16"
-    with pytest.raises(ValueError, match="unknown codec 'zip'"):
+    with pytest.raises(ValueError, match="unknown compress='zip'"):
         codecs.get("zip")
 
 

@@ -5,6 +5,7 @@ import pkgutil
 import gradhub
 import gradhub.collective
 import gradhub.errors
+import gradhub.ps
 
 PUBLIC = {
     "AllReduceParameter",
@@ -70,9 +71,20 @@ COLLECTIVE = {
     "reduce_scatter",
 }
 
+PS = {
+    "ClientConfig",
+    "LocalParameterServer",
+    "ParameterServer",
+    "ParameterStore",
+    "RemoteParameterServer",
+    "ServerConfig",
+    "ServerHandle",
+    "start_server",
+}
+
 
 def test_all_names_exist_and_are_sorted() -> None:
-    for module in (gradhub, gradhub.collective):
+    for module in (gradhub, gradhub.collective, gradhub.ps):
         for name in module.__all__:
             assert hasattr(module, name), name
     assert list(gradhub.__all__) == sorted(gradhub.__all__, key=str)
@@ -84,6 +96,8 @@ def test_public_names_are_exactly_these() -> None:
     assert len(gradhub.__all__) == len(PUBLIC)  # no name listed twice
     assert set(gradhub.collective.__all__) == COLLECTIVE
     assert len(gradhub.collective.__all__) == len(COLLECTIVE)
+    assert set(gradhub.ps.__all__) == PS
+    assert len(gradhub.ps.__all__) == len(PS)
 
 
 def test_every_error_class_lives_in_errors() -> None:

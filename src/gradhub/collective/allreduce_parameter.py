@@ -25,14 +25,22 @@ Decisions (where BigDL's block-manager design does not carry over):
   ``send_weight_partition``. ``init`` publishes the initial slice.
 - Every rank, the owner included, receives the decoded wire values, so all
   ranks hold bit-identical weights; the owner's fp32 master is unchanged.
-- ``put_gradients`` copies the gradient before it returns (the caller may
-  reuse it at once) and starts the reduce-scatter on the group's worker
-  thread; ``aggregate_gradient_partition`` waits for it. A second
+- ``put_gradients`` copies the gradient into the flat gradient buffer (the
+  caller may reuse it at once) and starts the reduce-scatter on the group's
+  worker thread; ``aggregate_gradient_partition`` waits for it. A second
   ``put_gradients`` before ``aggregate_gradient_partition`` is an error.
-- ``gradient_partition`` holds the last aggregated slice, already divided by
-  ``avg_numbers`` (as BigDL does). The reduce-scatter writes into it, so it is
-  only meaningful after ``aggregate_gradient_partition`` returns. Buffers
-  are reused from step to step (no large allocation per step).
+- ``gradient_partition``: this rank's slice of that buffer, summed in place
+  (the same bits as out of place) and divided by ``avg_numbers`` (as BigDL;
+  not by 1: the same bits); meaningful from ``aggregate_gradient_partition``
+  until the next gradient is written. Buffers are reused from step to step.
+- Zero copies (DDP's ``gradient_as_bucket_view``, FSDP's flat parameters;
+  :mod:`.flat_views`): :meth:`bind` makes parameters views of
+  :attr:`flat_weights` and their grads views of :attr:`flat_gradients`;
+  given those, ``put_gradients`` and ``get_weights`` copy nothing. Without
+  compression ``weight_partition`` is this rank's slice of
+  :attr:`flat_weights`; once that is handed out, ``send_weight_partition``
+  publishes ``weight_partition`` itself (no snapshot: the next
+  ``get_weights`` sends what it holds then). Other tensors are still copied.
 - Parameters may be a tensor of ``size`` elements or a tree (flattened via
   :class:`gradhub.trees.TreeSpec`; the tree given to ``init`` fixes the
   structure). ``get_weights`` accepts either a flat tensor of ``size`` or a
@@ -47,6 +55,7 @@ import zlib
 import torch
 
 from gradhub import codecs
+from gradhub.collective.flat_views import bind_views, occupies
 from gradhub.collective.ring import (
     DEFAULT_PIPELINE_ELEMENTS,
     Group,
@@ -89,7 +98,7 @@ class AllReduceParameter:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
         self.group = CollectiveGroup.of(group)
         self._owns_group = self.group is not group  # a wrapper made here is closed with self
-        self.codec = codecs.get(compress)
+        self.codec = codecs.get(compress, for_="AllReduceParameter")
         self.gradient_codec = self.codec
         """The codec of the gradients' wire; ``codec`` by default (the ``sharded``
         strategy sets a non-saturating fp16 under loss scaling)."""
@@ -100,13 +109,23 @@ class AllReduceParameter:
         self._start, self._length = partition_range(size, self.partition_num, self.partition_id)
         self._pipeline = pipeline_elements
         device = self.group.device
-        self._weights = torch.zeros(self._length, dtype=torch.float32, device=device)
-        self._gradients = torch.zeros(self._length, dtype=torch.float32, device=device)
+        own = slice(self._start, self._start + self._length)
+        # zeros: calloc'd, so the other ranks' slices take no memory until touched
+        self._flat_weights = torch.zeros(size, dtype=torch.float32, device=device)
+        self._flat_gradients = torch.zeros(size, dtype=torch.float32, device=device)
+        self._plain = isinstance(self.codec, codecs.NoCompression)
+        # the master: its own slice of the weights when the wire holds fp32 itself
+        self._weights = (
+            self._flat_weights[own]
+            if self._plain
+            else torch.zeros(self._length, dtype=torch.float32, device=device)
+        )
+        self._gradients = self._flat_gradients[own]
+        self._views_out = False  # flat_weights handed out: publish weight_partition itself
         self._published: torch.Tensor | None = None
         self._gathering: list[CollectiveFuture[Tree]] = []  # get_weights reading _published
         self._pending: list[CollectiveFuture[torch.Tensor]] = []
         self._covered = 0  # elements of this step's gradient put so far (segments)
-        self._staging: torch.Tensor | None = None
         self._spec: TreeSpec | None = None
         self._closed = False
 
@@ -129,6 +148,22 @@ class AllReduceParameter:
     @property
     def initialized(self) -> bool:
         return self._spec is not None
+
+    @property
+    def flat_weights(self) -> torch.Tensor:
+        """The flat fp32 weights (``size`` elements) that :meth:`get_weights` fills in
+        place when given them, or views of them (:meth:`bind`). Handing them out
+        makes ``send_weight_partition`` publish ``weight_partition`` itself."""
+        self._views_out = True
+        if self._plain:
+            self._published = self._weights  # from now on the master itself is published
+        return self._flat_weights
+
+    @property
+    def flat_gradients(self) -> torch.Tensor:
+        """The flat fp32 gradient buffer (``size`` elements) that :meth:`put_gradients`
+        reduces in place when given it, or views of it (:meth:`bind`)."""
+        return self._flat_gradients
 
     # ---------------------------------------------------------------- methods
     def init(self, parameter: Tree) -> tuple[int, int, int]:
@@ -187,6 +222,27 @@ class AllReduceParameter:
                 "size",
             )
 
+    def bind(self, parameters: Tree) -> None:
+        """Make every tensor of ``parameters`` a view of :attr:`flat_weights` and its
+        ``.grad`` a view of :attr:`flat_gradients`, at its place in the flat vector.
+
+        ``parameters``: a tree like ``init``'s (e.g. ``list(model.parameters())``),
+        fp32 on the group's device; they keep their values (:func:`.bind_views`)
+        except this rank's slice, which holds ``weight_partition``. Then pass
+        them (or :attr:`flat_weights`) to ``get_weights`` and their grads (or
+        :attr:`flat_gradients`) to ``put_gradients``: nothing is copied.
+        """
+        self._check_ready("bind")
+        assert self._spec is not None
+        tensors = self._spec.leaves(parameters)
+        flat_weights = self.flat_weights
+        master = self._weights.clone()  # this rank's slice keeps the master
+        bind_views(tensors, flat_weights, self._flat_gradients, f"[rank {self.partition_id}]")
+        self._weights.copy_(master)
+        if not self._plain:  # every rank holds the decoded wire values
+            own = flat_weights[self._start : self._start + self._length]
+            own.copy_(self.codec.decode(self.codec.encode(master)))
+
     def get_weights(self, local_parameter: Tree) -> CollectiveFuture[Tree]:
         """All-gather every rank's published slice into ``local_parameter``.
 
@@ -200,7 +256,8 @@ class AllReduceParameter:
         flat_target = isinstance(target, torch.Tensor) and target.numel() == self.size
         if not flat_target:
             self._spec.check(target)
-        direct = (
+        in_place = self._views_out and occupies(self._spec, target, self._flat_weights)
+        direct = in_place or (
             isinstance(target, torch.Tensor)
             and flat_target
             and target.dtype == torch.float32
@@ -210,7 +267,7 @@ class AllReduceParameter:
         wire, spec = self._published, self._spec
 
         def body() -> Tree:
-            out = target.view(-1) if direct else None
+            out = self._flat_weights if in_place else target.view(-1) if direct else None
             gathered = run_all_gather(
                 self.group,
                 wire,
@@ -244,12 +301,13 @@ class AllReduceParameter:
                 "aggregate_gradient_partition() after each put_gradients()"
             )
         tree = as_tree(gradient)
-        # One staging vector, reused: the previous reduce-scatter that read it
-        # has finished (aggregate_gradient_partition waited for it).
-        if self._staging is None:
-            self._staging = torch.empty(self.size, dtype=torch.float32, device=self.group.device)
-        staging = self._staging
-        if isinstance(tree, torch.Tensor) and tree.numel() == self.size:
+        # One flat vector, reused: the previous reduce-scatter that read it has
+        # finished (aggregate_gradient_partition waited for it). Views of it
+        # (bind) are already in place.
+        staging = self._flat_gradients
+        if occupies(self._spec, tree, staging):
+            pass
+        elif isinstance(tree, torch.Tensor) and tree.numel() == self.size:
             staging.copy_(tree.detach().reshape(-1))
         else:
             self._spec.flatten(tree, out=staging)  # validates before it writes
@@ -336,11 +394,16 @@ class AllReduceParameter:
                 f"[rank {self.partition_id}] the gradient segments put cover {covered} of "
                 f"{self.size} elements"
             )
-        return self._gradients.div_(avg_numbers)
+        if avg_numbers != 1:  # x / 1 == x: skip a pass over the slice
+            self._gradients.div_(avg_numbers)
+        return self._gradients
 
     def send_weight_partition(self) -> None:
         """Publish the current ``weight_partition`` (encoded) for ``get_weights``."""
         self._check_open("send_weight_partition")
+        if self._views_out and self._plain:
+            self._published = self._weights  # published in place: nothing to copy
+            return
         published = self._published
         if (
             isinstance(self.codec, codecs.NoCompression)

@@ -54,6 +54,7 @@ class Consistency:
         self.workers = workers
         self.max_staleness = max_staleness
         self.registered: set[int] = set()
+        self.heard: set[int] = set()  # every worker id that sent anything (this process)
         self.live: set[int] = set()
         self.last_seen: dict[int, float] = {}
         self.steps: dict[str, dict[int, int]] = {}  # key -> worker -> step
@@ -68,6 +69,7 @@ class Consistency:
         pulls, such as a driver, never counts); after that, any message keeps
         it live and brings it back after a drop.
         """
+        self.heard.add(worker)
         if worker not in self.registered and not pushing:
             return False
         self.last_seen[worker] = time.monotonic() if now is None else now
@@ -167,13 +169,10 @@ class Consistency:
         return mine - min(others, default=mine) <= self.max_staleness
 
     def waiting_for(self, worker: int, key: str) -> str:
-        """Whom a pull of ``key`` by ``worker`` waits for, in words."""
-        unjoined = max(0, self.workers - len(self.registered))
-        never = (
-            f"{unjoined} worker(s) that never pushed (the server waits for {self.workers})"
-            if unjoined
-            else ""
-        )
+        """Whom a pull of ``key`` by ``worker`` waits for, in words: the ids of the
+        live workers behind, and of those heard from that never pushed; a worker
+        that never sent anything has no id the server could know, so it is counted."""
+        never = self._never_pushed()
         steps = self.steps.get(key, {})
         if self.mode == "sync":
             rnd = self.rounds_applied.get(key, 0)
@@ -188,6 +187,21 @@ class Consistency:
             what = f"worker {worker} at step {mine} of {key!r} (max_staleness={self.max_staleness})"
         whom = " and ".join(x for x in (f"worker(s) {', '.join(late)}" if late else "", never) if x)
         return f"{what} waits for {whom or 'no live worker'}"
+
+    def _never_pushed(self) -> str:
+        """The workers still missing for ``workers`` to have registered, in words."""
+        unjoined = max(0, self.workers - len(self.registered))
+        if not unjoined:
+            return ""
+        quiet = sorted(self.heard - self.registered)
+        unknown = max(0, unjoined - len(quiet))
+        parts = [f"worker(s) {_ids(quiet)} (heard from, never pushed)"] if quiet else []
+        parts += [f"{unknown} never heard from"] if unknown else []
+        pushed = _ids(sorted(self.registered)) or "none"
+        return (
+            f"{unjoined} worker(s) that never pushed: {' and '.join(parts)} (the server "
+            f"waits for {self.workers}; worker(s) that pushed: {pushed})"
+        )
 
     def tracked_keys(self) -> list[str]:
         return list(self.steps)
@@ -227,3 +241,7 @@ class Consistency:
             # key -> worker id (a string: the report is JSON) -> its step on the key
             "steps": {k: {str(w): n for w, n in v.items()} for k, v in self.steps.items()},
         }
+
+
+def _ids(workers: list[int]) -> str:
+    return ", ".join(str(w) for w in workers)

@@ -12,20 +12,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import zmq
 
 from gradhub.errors import AuthenticationError, ClosedError, GradhubError
+from gradhub.ps.arena.client import ClientArena, Slot
 from gradhub.ps.lanes import PriorityLanes
-from gradhub.ps.protocol import Message, Op
+from gradhub.ps.protocol import MUTATING, Message, Op
 
-if TYPE_CHECKING:  # for types only: gradhub.ps.arena.client imports this module
-    from gradhub.ps.arena.client import ClientArena, Slot
-
-MUTATING = (Op.PUSH, Op.INIT, Op.SET_STATE)
-"""Requests with a sequence number, applied exactly once and retained until durable."""
+__all__ = ["MUTATING", "Link", "Request", "closed_error", "refused_error"]
 
 
 @dataclass

@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import re
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -37,116 +36,73 @@ from typing import Any
 import torch
 
 from gradhub import codecs
+from gradhub._config import config_or_options
 from gradhub.errors import (
     ClosedError,
-    DtypeMismatchError,
     NonFiniteError,
     ServerTimeoutError,
-    ShapeMismatchError,
 )
 from gradhub.optim import OptimizerSpec
 from gradhub.ps import arena as arenas
 from gradhub.ps import optim_state
+from gradhub.ps.addresses import check_address
 from gradhub.ps.base import ParameterServer, Replicas, as_replicas, check_key
 from gradhub.ps.channel import Channel, Pending
+from gradhub.ps.client_config import ClientConfig
 from gradhub.ps.config import secret_bytes
 from gradhub.ps.link import Request
+from gradhub.ps.payloads import filler, meta_json
 from gradhub.ps.placement import DEFAULT_SLICE_BYTES, Piece, layout, split
 from gradhub.ps.protocol import Message, Op
 from gradhub.trees import all_finite
 
-__all__ = ["DEFAULT_SLICE_BYTES", "RemoteParameterServer", "check_address"]
+__all__ = ["DEFAULT_SLICE_BYTES", "ClientConfig", "RemoteParameterServer", "check_address"]
 
 log = logging.getLogger(__name__)
-
-_ADDRESS = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):[0-9]{1,5}|ipc://\S+|inproc://\S+")
-
-
-def check_address(address: object) -> str:
-    """``address`` if it is a ZeroMQ endpoint a client can connect to, else ``ValueError``."""
-    if not isinstance(address, str) or _ADDRESS.fullmatch(address) is None:
-        raise ValueError(
-            f"parameter-server address {address!r} is not one of the accepted forms: "
-            "tcp://HOST:PORT (e.g. tcp://127.0.0.1:5555 or tcp://[::1]:5555), "
-            "ipc:///path/to/socket, inproc://name"
-        )
-    return address
 
 
 class RemoteParameterServer(ParameterServer):
     """A client of one or more ``gradhub serve`` processes.
 
-    Args:
-        addresses: one ZeroMQ endpoint or a list (``tcp://host:port``).
-        worker_id: this worker's id (unique in the job; sync/ssp count workers by it).
-        secret: shared secret (str or bytes) when the servers require one.
-        timeout: seconds any request may take before ``ServerTimeoutError``
-            (sync/ssp waits and waits for a key's ``init`` included).
-        connect_timeout: seconds a server may take to answer the first hello
-            before its requests fail with ``ServerUnavailableError`` (at most
-            ``timeout``).
-        nonfinite: a push holding NaN or infinity is refused with
-            ``NonFiniteError`` (``"error"``) or dropped with a warning
-            (``"skip"``: its future is done, nothing is sent).
-        compress: wire codec for gradients (``"none"``, ``"fp16"``, ``"bf16"``, ...);
-            values always travel exactly.
-        slice_bytes: tensors above this many bytes are sliced over all servers.
-        heartbeat_interval: seconds between heartbeats to each server.
-        retry_interval: seconds before an unanswered request is sent again.
-        max_inflight_bytes: push bytes in flight per server before queueing.
-        arena: use a shared-memory arena with servers on this host (default:
-            yes, unless ``GRADHUB_PS_ARENA=0``).
-        arena_min_bytes: smallest payload that goes through the arena.
+    Configured by a :class:`~gradhub.ps.client_config.ClientConfig` (its fields
+    say what each setting does): ``RemoteParameterServer(config=ClientConfig(...))``,
+    or the same settings as keywords, ``RemoteParameterServer(addresses,
+    worker_id=..., secret=..., timeout=..., compress=..., ...)``.
     """
 
     def __init__(
         self,
-        addresses: str | Sequence[str],
+        addresses: str | Sequence[str] | None = None,
         *,
-        worker_id: int,
-        secret: str | bytes | None = None,
-        timeout: float = 60.0,
-        connect_timeout: float = 10.0,
-        nonfinite: str = "error",
-        compress: str = "none",
-        slice_bytes: int = DEFAULT_SLICE_BYTES,
-        heartbeat_interval: float = 1.0,
-        retry_interval: float = 5.0,
-        max_inflight_bytes: int = 64 << 20,
-        arena: bool | None = None,
-        arena_min_bytes: int = arenas.DEFAULT_MIN_BYTES,
+        config: ClientConfig | None = None,
+        **options: Any,
     ) -> None:
-        addrs = [addresses] if isinstance(addresses, str) else list(addresses)
-        if not addrs:
-            raise ValueError("give at least one parameter-server address")
-        for a in addrs:
-            check_address(a)
-        if nonfinite not in ("error", "skip"):
-            raise ValueError(f"nonfinite must be 'error' or 'skip', got {nonfinite!r}")
-        if not 0 <= worker_id < 2**32:
-            raise ValueError(f"worker_id must be in [0, 2**32), got {worker_id}")
-        if not timeout > 0 or not heartbeat_interval > 0 or not retry_interval > 0:
-            raise ValueError("timeout, heartbeat_interval and retry_interval must be positive")
-        self.addresses = addrs
-        self.worker_id = worker_id
-        self.timeout = float(timeout)
-        self.nonfinite = nonfinite
+        if addresses is not None:
+            if config is not None:
+                raise TypeError("pass the addresses in config= or as an argument, not both")
+            options["addresses"] = addresses
+        cfg = config_or_options(ClientConfig, config, options)
+        self.config = cfg
+        self.addresses = cfg.address_list
+        self.worker_id = cfg.worker_id
+        self.timeout = float(cfg.timeout)
+        self.nonfinite = cfg.nonfinite
         self.skipped = 0
         """Pushes dropped because they held NaN or infinity (``nonfinite="skip"``)."""
-        self.codec = codecs.get(compress)
-        self.slice_bytes = int(slice_bytes)
+        self.codec = codecs.get(cfg.compress, for_="RemoteParameterServer")
+        self.slice_bytes = int(cfg.slice_bytes)
         self._closed = False
         self._channel = Channel(
-            addrs,
-            worker_id=worker_id,
-            secret=secret_bytes(secret),
+            self.addresses,
+            worker_id=cfg.worker_id,
+            secret=secret_bytes(cfg.secret),
             timeout=self.timeout,
-            connect_timeout=min(float(connect_timeout), self.timeout),
-            heartbeat_interval=float(heartbeat_interval),
-            retry_interval=float(retry_interval),
-            max_inflight_bytes=int(max_inflight_bytes),
-            arena=arenas.enabled(arena),
-            arena_min_bytes=int(arena_min_bytes),
+            connect_timeout=min(float(cfg.connect_timeout), self.timeout),
+            heartbeat_interval=float(cfg.heartbeat_interval),
+            retry_interval=float(cfg.retry_interval),
+            max_inflight_bytes=int(cfg.max_inflight_bytes),
+            arena=arenas.enabled(cfg.arena),
+            arena_min_bytes=int(cfg.arena_min_bytes),
         )
 
     @property
@@ -164,7 +120,7 @@ class RemoteParameterServer(ParameterServer):
         self._check_open()
         check_key(key)
         value = as_replicas(values)[0].detach()
-        meta = b"" if optimizer is None else _json({"optimizer": optimizer.to_dict()})
+        meta = b"" if optimizer is None else meta_json({"optimizer": optimizer.to_dict()})
         futures = [
             self._submit(Op.INIT, key, piece.key, piece.server, payload=part, meta=meta)
             for piece, part in split(key, value, len(self.addresses), self.slice_bytes)
@@ -196,7 +152,7 @@ class RemoteParameterServer(ParameterServer):
             fields["hyperparameters"] = dict(hyperparameters)
         if skip:
             fields["skip"] = True
-        meta = _json(fields) if fields else b""
+        meta = meta_json(fields) if fields else b""
         reps = [g.detach() for g in as_replicas(grads, what="grads")]
         total = reps[0]
         owned = len(reps) > 1
@@ -277,7 +233,7 @@ class RemoteParameterServer(ParameterServer):
                 piece.key,
                 piece.server,
                 priority,
-                on_reply=_filler(key, targets, piece.span),
+                on_reply=filler(key, targets, piece.span),
                 reply_bytes=first.element_size()
                 * (first.numel() if piece.span is None else piece.span.stop - piece.span.start),
             )
@@ -446,45 +402,6 @@ class RemoteParameterServer(ParameterServer):
                 reply_bytes=reply_bytes,
             )
         )
-
-
-def _filler(key: str, targets: list[torch.Tensor], rng: slice | None) -> Callable[[Message], None]:
-    def fill(msg: Message) -> None:
-        value = msg.tensor()
-        first = targets[0]
-        if rng is None:
-            if value.shape != first.shape:
-                raise ShapeMismatchError(f"[{key!r}]", list(value.shape), list(first.shape))
-            if value.dtype != first.dtype:
-                raise DtypeMismatchError(f"[{key!r}]", value.dtype, first.dtype)
-        elif value.numel() != rng.stop - rng.start or value.dtype != first.dtype:
-            raise ShapeMismatchError(
-                f"[{key!r}]", f"{value.numel()} x {value.dtype}", f"{first.numel()} x {first.dtype}"
-            )
-        with torch.no_grad():
-            for t in targets:
-                if rng is None:
-                    t.copy_(value)
-                elif t.is_contiguous():
-                    t.view(-1)[rng].copy_(value)
-                else:
-                    flat = t.reshape(-1).clone()
-                    flat[rng].copy_(value)
-                    t.copy_(flat.view(t.shape))
-
-    return fill
-
-
-def _json(data: dict[str, Any]) -> bytes:
-    def plain(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            return value.item()
-        raise TypeError(f"{type(value).__name__} cannot be sent to a parameter server as JSON")
-
-    try:
-        return json.dumps(data, default=plain, allow_nan=False).encode()
-    except ValueError as exc:
-        raise ValueError(f"{data}: hyperparameters must be finite numbers ({exc})") from None
 
 
 def _all_of(channel: Channel, futures: list[Future[None]]) -> Future[None]:

@@ -19,6 +19,11 @@ Decisions:
 - On the way out the server tells every client it heard from (``BYE``):
   whether it can be restarted from a checkpoint (clients wait for it) or not
   (their calls fail at once with ``ClosedError``).
+- ``SHUTDOWN`` is obeyed only from a worker (and session) that said hello to
+  this incarnation; any other is refused with a log line (a stale incarnation
+  with ``STALE_INCARNATION``, so a real client says hello and resends) and the
+  server serves on. A wait that times out names the worker ids it waits for
+  (:meth:`~gradhub.ps.consistency.Consistency.waiting_for`).
 - Messages it cannot accept: see :mod:`gradhub.ps.rejects`.
 - Clients on this host get a shared arena for their payloads
   (:mod:`gradhub.ps.arena`; ``config.arena``): the hello reply says where, a
@@ -65,6 +70,7 @@ class Server(Service):
         super().__init__(config)
         self.incarnation = secrets.randbits(63) | 1
         self._peers: set[bytes] = set()  # connections to say goodbye to
+        self._greeted: set[tuple[int, int]] = set()  # (worker, session) that said hello
         self.rejects = Rejects(self.counters)
         self._stop = threading.Event()
         self._closed = False
@@ -232,15 +238,37 @@ class Server(Service):
             else:
                 self._queue.push((routing, msg.key), msg, h.priority)
         elif h.op == Op.HELLO:
+            self._greeted.add((h.worker_id, h.session))
             self._reply(msg, aux=self.ledger.low(h.worker_id, h.session), payload=self._hello_info)
         elif h.op == Op.HEARTBEAT:
             self._reply(msg)
         elif h.op == Op.STATS:
             self._reply(msg, payload=json.dumps(self.stats()).encode())
         elif h.op == Op.SHUTDOWN:
+            self._shutdown(msg)
+
+    def _shutdown(self, msg: Message) -> None:
+        """Stop, if ``msg`` comes from a worker that said hello to this incarnation
+        (with a secret, :func:`~gradhub.ps.protocol.decode` has checked its
+        signature); else refuse it with a log line and keep serving. A stale
+        incarnation is answered ``STALE_INCARNATION``, as a data request is: a real
+        client says hello again and resends it."""
+        h = msg.header
+        if h.incarnation == self.incarnation and (h.worker_id, h.session) in self._greeted:
             log.info("shutdown requested by worker %d", h.worker_id)
             self._reply(msg)
             self._stop.set()
+            return
+        self.counters["refused_shutdowns"] += 1
+        stale = h.incarnation != self.incarnation
+        why = (
+            f"it names incarnation {h.incarnation}, not this server's"
+            if stale
+            else f"worker {h.worker_id} (session {h.session}) has not said hello to this server"
+        )
+        log.warning("shutdown refused (%s); serving on", why)
+        status = Status.STALE_INCARNATION if stale else Status.REFUSED
+        self._reply(msg, status, f"shutdown refused: {why}".encode())
 
     # ------------------------------------------------------------------ reply
     def _reply(

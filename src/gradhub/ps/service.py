@@ -78,6 +78,7 @@ COUNTERS = (
     "pull_waited",
     "errors",
     "stale_incarnation",
+    "refused_shutdowns",
     "waited_for_init",
     "wait_timeouts",
     "workers_dropped",

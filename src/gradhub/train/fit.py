@@ -4,23 +4,8 @@
 would write (``zero_grad``, forward, ``backward`` under ``no_sync`` for all
 micro-batches but the last, clip, ``step``, scheduler) on the prepared model
 and optimizer, so ``fit`` and an own loop share one code path.
-
-Batches and outputs (decisions):
-- A tuple/list batch is ``(inputs, targets, ...)``: the model gets
-  ``inputs``. A dict batch goes to the model whole (``model(batch)``); its
-  target is the first of the keys ``target``, ``targets``, ``labels``, ``y``.
-- ``loss_fn(output, batch)`` returns the mean loss of the batch. Default: an
-  output dict's ``"loss"`` if it has one; otherwise cross-entropy of the
-  logits (the output, or its ``"logits"``) against integer targets, flattened
-  so ``(B, T, V)`` logits against ``(B, T)`` targets work; mean squared error
-  against floating-point targets.
-- ``metrics=`` names what is reported beside the loss (default
-  ``("accuracy",)``). Accuracy is reported where it applies (logits with one
-  more dimension than integer targets: per sample, or per token for
-  ``(B, T, V)``), otherwise ``None``; also ``None`` when ``"accuracy"`` is
-  not in ``metrics``. ``"loss"`` is always reported. Callables
-  ``metric(output, batch) -> float`` (a mean over the batch) are reported as
-  ``train_<name>`` / ``eval_<name>``, averaged over the samples of every rank.
+Loop, checkpoints and metrics (decisions; batches, losses and metrics: see
+:mod:`gradhub.train.losses`):
 - ``accumulate=k``: each step runs ``k`` consecutive batches, each loss
   weighted by its share of the step's samples; the optimizer steps once.
 - ``lr_scheduler``: a scheduler over the optimizer given to the trainer, or
@@ -85,97 +70,16 @@ from tqdm import tqdm
 
 from gradhub.train.checkpoint import CheckpointDir
 from gradhub.train.data import Source, Step, to_device
+from gradhub.train.fit_config import FitConfig, FitResult
 from gradhub.train.grad_scaler import GradScaler
 from gradhub.train.logs import rank_logger
+from gradhub.train.losses import LossFn, Metric, Stats, detach, inputs_of
 from gradhub.train.metrics import MetricsWriter, metrics_file
 
 if TYPE_CHECKING:
     from gradhub.runtime import Runtime
     from gradhub.train.distributed_optimizer import DistributedOptimizer
-    from gradhub.train.trainer import FitConfig, FitResult
     from gradhub.train.wrapped_model import PreparedModel
-
-LossFn = Callable[[Any, Any], torch.Tensor]
-Metric = Callable[[Any, Any], float]
-_TARGET_KEYS = ("target", "targets", "labels", "y")
-
-
-def inputs_of(batch: Any) -> Any:
-    if isinstance(batch, (tuple, list)):
-        return batch[0]
-    return batch
-
-
-def target_of(batch: Any) -> Any:
-    if isinstance(batch, (tuple, list)):
-        return batch[1] if len(batch) > 1 else None
-    if isinstance(batch, dict):
-        return next((batch[k] for k in _TARGET_KEYS if k in batch), None)
-    return None
-
-
-def _logits(output: Any) -> Any:
-    return output.get("logits") if isinstance(output, dict) else output
-
-
-def default_loss(output: Any, batch: Any) -> torch.Tensor:
-    """See the module docstring."""
-    if isinstance(output, dict) and "loss" in output:
-        loss: torch.Tensor = output["loss"]
-        return loss
-    logits, target = _logits(output), target_of(batch)
-    if not isinstance(logits, torch.Tensor) or not isinstance(target, torch.Tensor):
-        raise TypeError(
-            "the default loss needs a tensor output (or a dict with 'loss' or 'logits') and "
-            "a target in the batch\n- help: pass loss_fn=lambda output, batch: ..."
-        )
-    if target.is_floating_point():
-        return torch.nn.functional.mse_loss(logits.float(), target)
-    return torch.nn.functional.cross_entropy(logits.float().flatten(0, -2), target.flatten())
-
-
-def correct(output: Any, batch: Any) -> tuple[float, float] | None:
-    """(correct predictions, predictions) where accuracy applies, else ``None``."""
-    logits, target = _logits(output), target_of(batch)
-    if (
-        isinstance(logits, torch.Tensor)
-        and isinstance(target, torch.Tensor)
-        and not target.is_floating_point()
-        and logits.ndim == target.ndim + 1
-        and logits.shape[:-1] == target.shape
-    ):
-        return float((logits.argmax(-1) == target).sum()), float(target.numel())
-    return None
-
-
-class Stats:
-    """Sums of one epoch (or one evaluation) on this rank: loss, accuracy, metrics."""
-
-    def __init__(self, metrics: dict[str, Metric], accuracy: bool = True) -> None:
-        self.metrics = metrics
-        self.accuracy = accuracy
-        self.values = torch.zeros(4 + len(metrics), dtype=torch.float64)
-
-    def add(self, output: Any, batch: Any, loss: float, samples: int) -> None:
-        v = self.values
-        v[0] += loss * samples
-        v[1] += samples
-        hits = correct(output, batch) if self.accuracy else None
-        if hits is not None:
-            v[2] += hits[0]
-            v[3] += hits[1]
-        for i, fn in enumerate(self.metrics.values()):
-            v[4 + i] += float(fn(output, batch)) * samples
-
-    def summary(self, prefix: str, summed: torch.Tensor) -> dict[str, Any]:
-        loss, n, hits, count = summed[:4].tolist()
-        out: dict[str, Any] = {
-            f"{prefix}loss": loss / n if n else None,
-            f"{prefix}accuracy": hits / count if count else None,
-        }
-        for i, name in enumerate(self.metrics):
-            out[f"{prefix}{name}"] = float(summed[4 + i]) / n if n else None
-        return out
 
 
 class FitRun:
@@ -253,16 +157,12 @@ class FitRun:
     def resume(self) -> tuple[int, dict[str, Any]]:
         if not (self.resuming and self.ckpt is not None):
             return 0, {}
-        found: list[tuple[int, int] | None] = [None]
-        if self.rt.is_main:  # one reader decides; the folder is shared by the ranks
-            found[0] = self.ckpt.latest_complete()
-        if self.rt.world_size > 1:
-            dist.broadcast_object_list(found, src=0)
-        self.ckpt.discard_after(found[0][0] if found[0] is not None else 0)
-        if found[0] is None:
+        found = agreed_checkpoint(self.rt, self.ckpt)
+        self.ckpt.discard_after(found[0] if found is not None else 0)
+        if found is None:
             self.log.info("no complete checkpoint in %s: starting fresh", self.ckpt.path)
             return 0, {}
-        step, written_by = found[0]
+        step, written_by = found
         # Every file holds the whole state: another world size reads the files it has.
         state = self.ckpt.load(step, rank=self.rt.rank % written_by)
         if self.rt.restart and self.strategy.state_outlives_workers:
@@ -332,7 +232,7 @@ class FitRun:
                 (share if self.scaler is None else self.scaler.scale(share)).backward()
             value = float(loss.detach())
             loss_sum += value * s.samples
-            stats.add(_detach(output), batch, value, s.samples)
+            stats.add(detach(output), batch, value, s.samples)
         if last < 0:
             self.strategy.sync_without_backward()
         extra: dict[str, Any] = {}
@@ -364,7 +264,7 @@ class FitRun:
                 if s.samples:
                     batch = to_device(s.batch, self.rt.device)
                     output, loss = self._forward(batch)
-                    stats.add(_detach(output), batch, float(loss), s.samples)
+                    stats.add(detach(output), batch, float(loss), s.samples)
         self.model.train()
         return stats.values
 
@@ -378,10 +278,8 @@ class FitRun:
         on_epoch: Callable[[int, dict[str, Any]], None] | None,
         on_eval: Callable[[int, dict[str, Any]], None] | None,
     ) -> FitResult:
-        from gradhub.train.trainer import FitResult
-
         try:
-            return self._run(train, evals, on_step, on_epoch, on_eval, FitResult)
+            return self._run(train, evals, on_step, on_epoch, on_eval)
         finally:
             self.metrics.close()
 
@@ -400,7 +298,6 @@ class FitRun:
         on_step: Any,
         on_epoch: Any,
         on_eval: Any,
-        result_cls: Any,
     ) -> FitResult:
         rt, cfg = self.rt, self.cfg
         batches = train.steps_per_epoch()
@@ -465,7 +362,7 @@ class FitRun:
         finally:
             bar.close()
         wall = time.perf_counter() - t0
-        result: FitResult = result_cls(
+        result = FitResult(
             strategy=self.strategy.name,
             world_size=rt.world_size,
             start_step=start,
@@ -504,9 +401,15 @@ class FitRun:
         return record
 
 
-def _detach(output: Any) -> Any:
-    if isinstance(output, torch.Tensor):
-        return output.detach()
-    if isinstance(output, dict):
-        return {k: _detach(v) for k, v in output.items()}
-    return output
+def agreed_checkpoint(rt: Runtime, ckpt: CheckpointDir) -> tuple[int, int] | None:
+    """(step, ranks that wrote it) of the latest checkpoint every rank of its job
+    finished, or ``None``: rank 0 reads the folder (shared by the ranks: one reader
+    decides) and sends its choice to every rank, within the runtime's timeout (a rank
+    that does not take part is named in a ``CollectiveTimeoutError``)."""
+    found = ckpt.latest_complete() if rt.is_main else None
+    choice = torch.tensor(found if found is not None else (-1, 0), device=rt.device)
+    if rt.world_size > 1:
+        work = dist.broadcast(choice, src=0, async_op=True)
+        rt.wait(work, "broadcast", where="the choice of the checkpoint to resume from")
+    step, written_by = (int(v) for v in choice.tolist())
+    return None if step < 0 else (step, written_by)

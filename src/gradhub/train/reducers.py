@@ -175,36 +175,33 @@ def _powersgd(**options: Any) -> BucketReducer:
 ReducerFactory = Callable[..., BucketReducer]
 """Builds a reducer; called with ``group=`` (the process group) and the options."""
 
-_REGISTRY: dict[str, ReducerFactory] = {
+_BUILT_IN: dict[str, ReducerFactory] = {
     "none": AllReduce,
     "fp16": lambda **kw: HalfAllReduce(torch.float16, **kw),
     "bf16": lambda **kw: HalfAllReduce(torch.bfloat16, **kw),
     "powersgd": lambda **kw: _powersgd(**kw),
 }
-
-_ON_TRANSPORT = frozenset(_REGISTRY)
 """The built-in reducers: they take ``collective=`` and reduce on its transport."""
+
+for _name, _factory in _BUILT_IN.items():
+    codecs.register_reducer(_name, _factory)
 
 
 def register(name: str, factory: ReducerFactory) -> None:
-    """Make ``compress=name`` build reducers with ``factory(group=..., **options)``."""
-    if name in _REGISTRY:
-        raise ValueError(f"a bucket reducer called {name!r} is already registered")
-    _REGISTRY[name] = factory
+    """Make ``compress=name`` build reducers with ``factory(group=..., **options)``
+    (added to the one ``compress=`` vocabulary, :func:`gradhub.codecs.check`)."""
+    codecs.register_reducer(name, factory)
 
 
 def available() -> list[str]:
-    """The names ``compress=`` accepts."""
-    return sorted(_REGISTRY)
+    """The names the ``allreduce`` strategy's ``compress=`` accepts."""
+    return codecs.available(codecs.BUCKET)
 
 
 def check_name(name: str) -> None:
-    """``ValueError`` listing the known reducers if ``name`` is not one."""
-    if name not in _REGISTRY:
-        raise ValueError(
-            f"unknown compress={name!r} for strategy 'allreduce'\n"
-            f"- help: choose one of {', '.join(available())}"
-        )
+    """``ValueError`` listing the known reducers if ``name`` is not one
+    (:func:`gradhub.codecs.check` for the ``allreduce`` strategy)."""
+    codecs.check(name, for_="allreduce")
 
 
 def make(
@@ -221,10 +218,10 @@ def make(
     docstring). Reducers added with :func:`register` are built with
     ``group=`` and their options only.
     """
-    check_name(name)
-    if collective is not None and name in _ON_TRANSPORT:
+    factory = codecs.reducer_factory(name)
+    if collective is not None and name in _BUILT_IN:
         options["collective"] = collective
-    reducer = _REGISTRY[name](group=group, **options)
+    reducer = factory(group=group, **options)
     if not isinstance(reducer, BucketReducer):
         raise TypeError(f"the factory of {name!r} returned {reducer!r}, which has no reduce()")
     return reducer

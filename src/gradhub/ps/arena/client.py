@@ -11,7 +11,7 @@ import mmap
 import os
 import socket
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -19,8 +19,7 @@ from gradhub._shm.hosts import host_identity
 from gradhub._shm.memory import Mapping, new_segment
 from gradhub.errors import ProtocolError, WorkerFailedError
 from gradhub.ps.arena.wire import BYE, CREDS, FORGET, ID, NEW, REGISTER, SEGMENT, registration_mac
-from gradhub.ps.link import MUTATING, Request
-from gradhub.ps.protocol import ARENA_LOCATOR, Message, Op
+from gradhub.ps.protocol import ARENA_LOCATOR, MUTATING, Message, Op
 from gradhub.trees import copy_finite
 
 __all__ = ["DEFAULT_CACHE_BYTES", "DEFAULT_MIN_BYTES", "ClientArena", "Slot"]
@@ -54,6 +53,20 @@ class Slot:
 
     def locator(self, nbytes: int) -> bytes:
         return ARENA_LOCATOR.pack(self.id, 0, nbytes)
+
+
+class Request(Protocol):
+    """A client request as the arena reads and lends to it (:class:`gradhub.ps.link.Request`
+    is one). Structural, so the arena does not import the client's link (which holds
+    a :class:`ClientArena`): no import circle."""
+
+    op: Op
+    payload: torch.Tensor | None
+    meta: bytes
+    nbytes: int
+    reply_bytes: int
+    sends: int
+    slot: Slot | None
 
 
 class ClientArena:

@@ -100,6 +100,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from gradhub import codecs
 from gradhub._config import config_or_options
 from gradhub.errors import DuplicateParameterError, GradhubError, GradhubTimeoutError
 from gradhub.optim import OptimizerSpec
@@ -132,6 +133,7 @@ class PSConfig:
             raise ValueError("servers is an empty list; give at least one address or None")
         if not self.timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {self.timeout}")
+        codecs.check(self.compress, for_="ps-async/ps-sync/ps-ssp")
 
 
 def published_addresses(timeout: float = 10.0) -> list[str] | None:

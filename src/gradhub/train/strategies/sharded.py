@@ -127,7 +127,7 @@ class ShardedConfig:
     """Start each bucket's reduce-scatter from backward hooks as soon as it is full."""
 
     def __post_init__(self) -> None:
-        codecs.get(self.compress)  # an unknown codec is an error now, not mid-job
+        codecs.check(self.compress, for_="sharded")  # an error now, not mid-job
         if not self.bucket_mb > 0:
             raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")
 
