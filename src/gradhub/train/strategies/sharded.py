@@ -178,7 +178,8 @@ class ShardedStrategy(Strategy):
         size = sum(p.numel() for p in self.params)
         self._flat = torch.cat([p.detach().reshape(-1) for p in self.params]).to(device)
         self._grad = torch.zeros(size, dtype=torch.float32, device=device)
-        self._model_grad = self._grad if self._flat.dtype == torch.float32 else torch.zeros_like(self._flat)
+        sixteen = self._flat.dtype != torch.float32
+        self._model_grad = torch.zeros_like(self._flat) if sixteen else self._grad
         offset = 0
         for p in self.params:  # parameters become views of the flat vector
             p.data = self._flat[offset : offset + p.numel()].view_as(p)
