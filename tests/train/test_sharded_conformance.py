@@ -97,7 +97,7 @@ def test_torch_grad_scaler_with_a_skipped_step(results: list[dict[str, Any]]) ->
     for rank in (0, 1):
         got = results[rank]["scaler"]
         # Step 1 overflowed on rank 1 only: skipped on both, the scale halved.
-        assert got["scales"] == want["scales"] == [2.0**10, 2.0**9, 2.0**9, 2.0**9]
+        assert got["scales"] == want["scales"] == [2.0**10, 2.0**10, 2.0**9, 2.0**9]
         for a, b in zip(got["params"][1], got["params"][0], strict=True):
             assert np.array_equal(a, b)
         # unscale_ reached the gradient the step used (before: 1024x, a difference of 188).
@@ -214,7 +214,7 @@ def test_refused_at_prepare_naming_allreduce() -> None:
         two = nn.Sequential(linear(), linear())
         first = torch.optim.SGD(two[0].parameters(), lr=0.1)
         second = torch.optim.Adam(two[1].parameters(), lr=0.1)
-        with pytest.raises((ValueError, TypeError), match="allreduce"):
+        with pytest.raises(UnsupportedByStrategyError, match="allreduce"):
             gradhub.prepare(two, [first, second], strategy="sharded", runtime=runtime)
-        with pytest.raises((ValueError, TypeError), match="allreduce"):
+        with pytest.raises(UnsupportedByStrategyError, match="allreduce"):
             gradhub.prepare(two, first, strategy="sharded", runtime=runtime)

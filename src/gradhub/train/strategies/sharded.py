@@ -101,6 +101,7 @@ from gradhub.collective import AllReduceParameter, ShardedOptimizer, all_gather,
 from gradhub.collective.sharded_optimizer import check_elementwise
 from gradhub.errors import UnsupportedByStrategyError
 from gradhub.optim import OptimizerSpec
+from gradhub.runtime import Runtime
 from gradhub.train.strategies.base import Strategy
 from gradhub.train.strategies.sharded_state import (
     ShardResponder,
@@ -158,9 +159,23 @@ class ShardedStrategy(Strategy):
         self._next_launch = 0
         self._scale, self._by_count = 1.0, False
 
+    def setup(self, model: torch.nn.Module, optimizer: Any, runtime: Runtime) -> None:
+        """Refuse what ``sharded`` cannot train as DDP would (typed errors naming
+        ``allreduce``) before the common set-up."""
+        if isinstance(optimizer, list | tuple):
+            if len(optimizer) > 1:
+                raise UnsupportedByStrategyError(
+                    f"strategy 'sharded' shards one optimizer, got {len(optimizer)}\n- help: "
+                    "one optimizer with a parameter group per setting, or "
+                    'strategy="allreduce", which takes several optimizers'
+                )
+            optimizer = optimizer[0] if optimizer else None
+        if isinstance(optimizer, torch.optim.Optimizer):
+            self._check_supported(model, optimizer)
+        super().setup(model, optimizer, runtime)
+
     def _setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         assert optimizer is not None
-        self._check_supported(optimizer)
         spec = OptimizerSpec.of(optimizer)
         loaded = optimizer.state_dict() if optimizer.state else None
         trainable = {id(p) for p in self.params}
@@ -197,18 +212,19 @@ class ShardedStrategy(Strategy):
         self._build_buckets()
         self._start_responder()  # last: a request may come as soon as it runs
 
-    def _check_supported(self, optimizer: torch.optim.Optimizer) -> None:
+    def _check_supported(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         check_elementwise(optimizer, where="strategy 'sharded'")
+        trainable = [p for p in model.parameters() if p.requires_grad]
         held = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        if any(id(p) not in held for p in self.params):
+        if any(id(p) not in held for p in trainable):
             raise UnsupportedByStrategyError(
                 "strategy 'sharded' shards one optimizer over every trainable parameter; "
                 "this one does not hold them all (several optimizers?)\n- help: build one "
                 "optimizer over model.parameters() (parameter groups for different "
                 'settings), or use strategy="allreduce", which takes several optimizers'
             )
-        dtypes = sorted({str(p.dtype) for p in self.params})
-        if len(dtypes) > 1 or dtypes[0] not in _FLOATS:
+        dtypes = sorted({str(p.dtype) for p in trainable})
+        if len(dtypes) > 1 or (dtypes and dtypes[0] not in _FLOATS):
             raise UnsupportedByStrategyError(
                 f"strategy 'sharded' keeps one flat vector of fp32, bf16 or fp16 parameters; "
                 f"this model's trainable parameters are {', '.join(dtypes)}\n- help: give "
