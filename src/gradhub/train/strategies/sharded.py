@@ -106,9 +106,12 @@ from gradhub.train.strategies.base import Strategy
 from gradhub.train.strategies.sharded_state import (
     ShardResponder,
     assemble,
+    check_groups,
     from_bytes,
     load_pieces,
+    per_parameter,
     pieces_state,
+    plain_state_dict,
     to_bytes,
 )
 
@@ -392,42 +395,19 @@ class ShardedStrategy(Strategy):
             for _, payload in sorted(others.items()):
                 pieces.extend(from_bytes(payload))
         whole = assemble(pieces, [p.shape for p in self.params], self._flat.device)
-        numbering: dict[int, int] = {}
-        groups: list[dict[str, Any]] = []
-        for live in self.optimizer.param_groups:
-            ids = [numbering.setdefault(id(p), len(numbering)) for p in live["params"]]
-            groups.append({**{k: v for k, v in live.items() if k != "params"}, "params": ids})
-        return {"state": {self._index[j]: s for j, s in whole.items()}, "param_groups": groups}
+        state = {self._index[j]: s for j, s in whole.items()}
+        return plain_state_dict(state, self.optimizer.param_groups)
 
     def load_optimizer_state_dict(self, state: dict[str, Any]) -> None:
         assert self.optimizer is not None
-        saved_groups, live_groups = state["param_groups"], self.optimizer.param_groups
-        if len(saved_groups) != len(live_groups) or any(
-            len(s["params"]) != len(g["params"])
-            for s, g in zip(saved_groups, live_groups, strict=True)
-        ):
-            raise ValueError(
-                "the optimizer state dict does not match this optimizer's parameter groups "
-                f"({[len(s['params']) for s in saved_groups]} parameters per group vs "
-                f"{[len(g['params']) for g in live_groups]})"
-            )
-        for saved, live in zip(saved_groups, live_groups, strict=True):
+        check_groups(state, self.optimizer.param_groups)
+        for saved, live in zip(state["param_groups"], self.optimizer.param_groups, strict=True):
             live.update({k: v for k, v in saved.items() if k != "params"})
         self._load_pieces(state)
 
     def _load_pieces(self, state: dict[str, Any]) -> None:
-        """Each rank keeps its pieces of a plain optimizer's state dict (torch's
-        matching: the saved indices, group after group, to the live parameters)."""
         assert self._opt is not None and self.optimizer is not None
-        saved_ids = [i for g in state["param_groups"] for i in g["params"]]
-        live = [p for g in self.optimizer.param_groups for p in g["params"]]
-        saved_of = {id(p): i for p, i in zip(live, saved_ids, strict=True)}
-        entries = state["state"]
-        per_param: dict[int, dict[str, Any] | None] = {}
-        for j, p in enumerate(self.params):
-            i = saved_of[id(p)]
-            per_param[j] = entries.get(i, entries.get(str(i)))
-        load_pieces(self._opt, per_param)
+        load_pieces(self._opt, per_parameter(state, self.optimizer.param_groups, self.params))
 
     def model_loaded(self) -> None:
         """The model's (loaded) values become this rank's master slice."""

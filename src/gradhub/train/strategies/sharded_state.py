@@ -12,6 +12,10 @@ every other rank's answer within the group's timeout, or raises
 :class:`~gradhub.errors.CollectiveTimeoutError` naming the ranks that did
 not answer.
 
+Beside the responder: the conversions between the pieces and a plain
+optimizer's state dict (:func:`assemble`, :func:`plain_state_dict`,
+:func:`per_parameter`, :func:`load_pieces`).
+
 Decisions:
 - The responder reads its pieces under the slice optimizer's lock, so it
   never sees a state half-way through a step. The state it answers with is
@@ -115,6 +119,47 @@ def load_pieces(opt: ShardedOptimizer, states: dict[int, dict[str, Any] | None])
                 else:
                     mine[key] = value
             opt.optimizer.state[piece.view] = mine
+
+
+def plain_state_dict(
+    state: dict[int, dict[str, Any]], live_groups: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """``state`` (by torch's index) with the live groups, as ``Optimizer.state_dict``
+    numbers them: every parameter of every group, in order."""
+    numbering: dict[int, int] = {}
+    groups: list[dict[str, Any]] = []
+    for live in live_groups:
+        ids = [numbering.setdefault(id(p), len(numbering)) for p in live["params"]]
+        groups.append({**{k: v for k, v in live.items() if k != "params"}, "params": ids})
+    return {"state": state, "param_groups": groups}
+
+
+def check_groups(state: dict[str, Any], live_groups: list[dict[str, Any]]) -> None:
+    """A state dict of another optimizer layout is a ``ValueError`` saying how."""
+    saved = state["param_groups"]
+    if len(saved) != len(live_groups) or any(
+        len(s["params"]) != len(g["params"]) for s, g in zip(saved, live_groups, strict=True)
+    ):
+        raise ValueError(
+            "the optimizer state dict does not match this optimizer's parameter groups "
+            f"({[len(s['params']) for s in saved]} parameters per group vs "
+            f"{[len(g['params']) for g in live_groups]})"
+        )
+
+
+def per_parameter(
+    state: dict[str, Any], live_groups: list[dict[str, Any]], params: list[torch.nn.Parameter]
+) -> dict[int, dict[str, Any] | None]:
+    """Per position in ``params``, its entry of a plain state dict (torch's matching:
+    the saved indices, group after group, to the live parameters)."""
+    saved_ids = [i for g in state["param_groups"] for i in g["params"]]
+    live = [p for g in live_groups for p in g["params"]]
+    saved_of = {id(p): i for p, i in zip(live, saved_ids, strict=True)}
+    entries = state["state"]
+    return {
+        j: entries.get(saved_of[id(p)], entries.get(str(saved_of[id(p)])))
+        for j, p in enumerate(params)
+    }
 
 
 def to_bytes(pieces: list[PieceState]) -> bytes:
