@@ -150,8 +150,13 @@ class WorkerFailedError(GradhubError, RuntimeError):
 
 class MisuseError(StateError):
     """A training loop did something that would let the replicas diverge (stepping
-    the optimizer handed to ``gradhub.prepare``, a second backward before ``step``
-    outside ``no_sync()``); the message says what to do instead."""
+    the optimizer handed to ``gradhub.prepare``, stepping with gradients accumulated
+    inside ``no_sync()`` and never combined); the message says what to do instead."""
+
+
+class UnsupportedOptionError(GradhubError, TypeError):
+    """A keyword argument (e.g. one of DDP's) that gradhub does not take where it
+    was given; the message says why it is not needed and what to write instead."""
 
 
 class ReplicasDivergedError(GradhubError, RuntimeError):

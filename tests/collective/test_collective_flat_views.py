@@ -131,6 +131,40 @@ def check_views(group: CollectiveGroup) -> None:
         assert all(torch.equal(a, b) for a, b in zip(copy, seed_params, strict=True))
 
 
+def check_views_lossy(group: CollectiveGroup) -> None:
+    """With bf16 on the wire the master stays apart from the flat weights, which
+    hold the decoded wire values on every rank: the seed API's bits."""
+    rank = group.rank
+    seed_model, bound_model = make_model(), make_model()
+    seed_params, bound_params = list(seed_model.parameters()), list(bound_model.parameters())
+    n = sum(q.numel() for q in seed_params)
+    with (
+        AllReduceParameter(n, group=group, compress="bf16") as seed,
+        AllReduceParameter(n, group=group, compress="bf16") as views,
+    ):
+        seed.init(seed_params)
+        views.init(bound_params)
+        seed.get_weights(seed_params).wait()
+        views.bind(bound_params)
+        views.get_weights(bound_params).wait()
+        for a, b in zip(seed_params, bound_params, strict=True):
+            assert torch.equal(a, b), "not the decoded wire values"
+        for cycle in range(2):
+            for model, p, params in (
+                (seed_model, seed, seed_params),
+                (bound_model, views, bound_params),
+            ):
+                model.zero_grad(set_to_none=False)
+                loss_of(model, rank, cycle).backward()
+                p.put_gradients([q.grad for q in params])
+                p.weight_partition.sub_(LR * p.aggregate_gradient_partition(2))
+                p.send_weight_partition()
+                p.get_weights(params).wait()
+            assert torch.equal(seed.weight_partition, views.weight_partition)
+            for a, b in zip(seed_params, bound_params, strict=True):
+                assert torch.equal(a, b), f"bf16 cycle {cycle}: bound weights differ"
+
+
 def views_job(rank: int, world_size: int, port: int) -> None:
     torch.set_num_threads(1)
     with local_group(rank, world_size, port, timeout=60, transport="ring") as ring:
@@ -141,6 +175,7 @@ def views_job(rank: int, world_size: int, port: int) -> None:
                 check_views(group)
                 allreduce_parameter.run_reduce_scatter = RS
                 allreduce_parameter.run_all_gather = AG
+            check_views_lossy(shm)
         finally:
             shm.close()
 

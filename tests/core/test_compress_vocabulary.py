@@ -41,7 +41,11 @@ ENTRY_POINTS: list[tuple[str, str, Callable[[str], Any]]] = [
 ]
 
 
-@pytest.mark.parametrize(("entry", "listing", "build"), ENTRY_POINTS)
+@pytest.mark.parametrize(
+    ("entry", "listing", "build"),
+    ENTRY_POINTS,
+    ids=[f"{e}-{i}" for i, (e, _, _) in enumerate(ENTRY_POINTS)],
+)
 @pytest.mark.parametrize("name", ["zip", "powersgd", "bf16-truncate"])
 def test_each_entry_point_refuses_an_unknown_name_with_one_message(
     entry: str, listing: str, build: Callable[[str], Any], name: str

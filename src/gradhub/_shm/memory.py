@@ -1,18 +1,16 @@
-"""The kernel pieces of the shared-memory transport: memfd segments, futexes, set-up I/O.
+"""Shared segments: anonymous ``memfd`` files, their mappings, set-up I/O.
 
 Linux only. A segment is an anonymous ``memfd`` (nothing named, so nothing is
-left behind when a process is killed), mapped shared and viewed as bytes; a
-futex waits on the low 32 bits of a 64-bit counter in a segment, with a timeout.
+left behind when a process is killed), mapped shared and viewed as bytes.
+Waiting on a counter in a segment is :mod:`.futex`'s.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 import mmap
 import os
-import platform
 import socket
 import traceback
 from collections.abc import Callable
@@ -20,43 +18,18 @@ from typing import ParamSpec
 
 import torch
 
+from gradhub._shm.futex import futex_supported
+
 _log = logging.getLogger("gradhub.collective")
-
-_SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
-_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-class _Timespec(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
 def supported() -> bool:
     """Whether this platform has what the transport needs."""
     return (
-        _SYS_FUTEX is not None
+        futex_supported()
         and hasattr(os, "memfd_create")
         and hasattr(os, "pidfd_open")
         and hasattr(socket, "send_fds")
-    )
-
-
-def futex_wake(address: int) -> None:
-    """Wake every thread sleeping on the counter at ``address``."""
-    _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAKE, 1 << 30)
-
-
-def futex_wait(address: int, seen: int, seconds: float) -> None:
-    """Sleep while the low 32 bits of the counter at ``address`` still read ``seen``,
-    at most ``seconds`` (a wake, a change or the timeout ends it)."""
-    timeout = _Timespec()
-    timeout.tv_sec, timeout.tv_nsec = int(seconds), int((seconds % 1) * 1e9)
-    _libc.syscall(
-        _SYS_FUTEX,
-        ctypes.c_void_p(address),
-        _FUTEX_WAIT,
-        ctypes.c_uint32(seen & 0xFFFFFFFF),
-        ctypes.byref(timeout),
     )
 
 

@@ -120,6 +120,7 @@ class Channel(Exchange):
         self.arena_min_bytes = arena_min_bytes
         self._arena_fds: dict[int, Link] = {}
         self._poll = select.poll()  # the I/O thread's
+        self._local = threading.local()  # each waiting thread's own poll
         self._io = threading.RLock()  # the sockets, the links and their requests
         self._pump_owner = 0  # the thread inside _pump (a callback re-entering does nothing)
         self._drivers = 0  # threads waiting on a future, watching the sockets themselves
@@ -226,10 +227,7 @@ class Channel(Exchange):
         if future.finished or self._pump_owner == threading.get_ident():
             return  # a callback of a reply being handled: its future cannot progress here
         deadline = math.inf if timeout is None else time.monotonic() + timeout
-        poll = select.poll()
-        poll.register(self._kick_r, select.POLLIN)
-        for fd in self._zmq_fds:
-            poll.register(fd, select.POLLIN)
+        poll = self._waiters_poll()
         with self._lock:
             self._drivers += 1
         try:
@@ -251,6 +249,18 @@ class Channel(Exchange):
                 last = self._drivers == 0
             if last and self.busy():
                 self._wake()  # the I/O thread watches the sockets again
+
+    def _waiters_poll(self) -> select.poll:
+        """This thread's poll of the kick pipe and the sockets (made once per thread:
+        no allocation per request)."""
+        poll: select.poll | None = getattr(self._local, "poll", None)
+        if poll is None:
+            poll = select.poll()
+            poll.register(self._kick_r, select.POLLIN)
+            for fd in self._zmq_fds:
+                poll.register(fd, select.POLLIN)
+            self._local.poll = poll
+        return poll
 
     def busy(self) -> bool:
         """Whether requests are queued or in flight."""

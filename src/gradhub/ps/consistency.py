@@ -170,8 +170,9 @@ class Consistency:
 
     def waiting_for(self, worker: int, key: str) -> str:
         """Whom a pull of ``key`` by ``worker`` waits for, in words: the ids of the
-        live workers behind, and of those heard from that never pushed; a worker
-        that never sent anything has no id the server could know, so it is counted."""
+        live workers behind, and of those heard from that never pushed (a driver
+        that only inits and pulls is listed there too); a worker that never sent
+        anything has no id the server could know, so it is counted."""
         never = self._never_pushed()
         steps = self.steps.get(key, {})
         if self.mode == "sync":

@@ -14,7 +14,13 @@ parameters (``allreduce``: the script's optimizer steps on every rank;
   slice; under ``ps-*`` fetched from the servers, where it lives; call it on
   every rank), loadable by a plain optimizer or a job of any world size;
   ``load_state_dict()`` takes such a dict (a collective as well).
-- ``zero_grad()`` clears the model's gradients, as the original's would.
+- ``zero_grad(set_to_none=True)`` is torch's own, over the same groups:
+  ``None`` gradients, or zeros in place (``set_to_none=False``; under
+  ``allreduce`` the zeros land in the bucket ``.grad`` is a view of).
+- Under ``allreduce`` ``state_dict()`` is the script's optimizer's own,
+  local: rank 0 alone may call it (a checkpoint written by rank 0) and
+  nothing waits for the other ranks. ``prepare(model, [opt_a, opt_b])``
+  returns one of these per optimizer (``index`` says which); step each.
 - Parameter groups are fixed at ``prepare``: ``add_param_group`` is an error.
 """
 
@@ -27,13 +33,18 @@ import torch
 
 from gradhub.errors import MisuseError
 from gradhub.train.strategies import Strategy
+from gradhub.train.strategies.base import load_keeping_objects
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
     """The script's ``optimizer``, stepped through ``strategy``."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, strategy: Strategy) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, strategy: Strategy, index: int = 0
+    ) -> None:
         self._ready = False
+        self.index = index
+        """Which of the optimizers handed to ``prepare`` this is."""
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self.optimizer = optimizer
         """The script's optimizer (do not step it: its step raises ``MisuseError``)."""
@@ -49,7 +60,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.strategy.apply()
+        self.strategy.apply(self.index)
         return loss
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -57,10 +68,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self.strategy.clip_grad_norm_(max_norm, norm_type)
 
     def state_dict(self) -> dict[str, Any]:
+        if self.index:
+            return self.optimizer.state_dict()  # only allreduce takes several: local state
         return self.strategy.optimizer_state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.strategy.load_optimizer_state_dict(state_dict)
+        if self.index:
+            load_keeping_objects(self.optimizer, state_dict)
+        else:
+            self.strategy.load_optimizer_state_dict(state_dict)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "_ready", False):

@@ -4,8 +4,9 @@
 would write (``zero_grad``, forward, ``backward`` under ``no_sync`` for all
 micro-batches but the last, clip, ``step``, scheduler) on the prepared model
 and optimizer, so ``fit`` and an own loop share one code path.
-Loop, checkpoints and metrics (decisions; batches, losses and metrics: see
-:mod:`gradhub.train.losses`):
+
+The loop, checkpoints and metrics files (decisions; what a batch, a loss and a
+metric are: :mod:`gradhub.train.losses`; the settings: :mod:`gradhub.train.fit_config`):
 - ``accumulate=k``: each step runs ``k`` consecutive batches, each loss
   weighted by its share of the step's samples; the optimizer steps once.
 - ``lr_scheduler``: a scheduler over the optimizer given to the trainer, or

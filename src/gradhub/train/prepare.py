@@ -32,59 +32,103 @@ Decisions:
   the others to agree on one would make the updates synchronous. Every
   update is still bounded: a push is at most ``max_norm / world_size`` (its
   share) in norm.
+- DDP's keyword arguments (``find_unused_parameters=``, ``broadcast_buffers=``,
+  ``bucket_cap_mb=``, ...) are taken here for every strategy and checked in
+  one place (:mod:`gradhub.train.ddp_options`): DDP's meaning, or an
+  :class:`~gradhub.errors.UnsupportedOptionError` saying why not needed.
+- Several optimizers over disjoint parameters (``allreduce`` only): pass a
+  list, ``prepare(model, [opt_a, opt_b])``, and get a list of prepared
+  optimizers back in the same order; a DDP loop steps each. A list is
+  refused by the other strategies (one optimizer with several groups there).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, overload
 
 import torch
 import torch.distributed as dist
 
 from gradhub.errors import ReplicasDivergedError
 from gradhub.runtime import Runtime, init
+from gradhub.train.ddp_options import KEYWORDS, split_ddp_options
 from gradhub.train.distributed_optimizer import DistributedOptimizer
-from gradhub.train.strategies import Strategy, make_strategy
+from gradhub.train.strategies import Strategy, check_name, make_strategy
 from gradhub.train.wrapped_model import PreparedModel
 
 
+@overload
 def prepare(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None,
     *,
+    strategy: str | Strategy = ...,
+    runtime: Runtime | None = ...,
+    **options: Any,
+) -> tuple[PreparedModel, DistributedOptimizer]: ...
+
+
+@overload
+def prepare(
+    model: torch.nn.Module,
+    optimizer: Sequence[torch.optim.Optimizer],
+    *,
+    strategy: str | Strategy = ...,
+    runtime: Runtime | None = ...,
+    **options: Any,
+) -> tuple[PreparedModel, list[DistributedOptimizer]]: ...
+
+
+def prepare(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
+    *,
     strategy: str | Strategy = "allreduce",
     runtime: Runtime | None = None,
     **options: Any,
-) -> tuple[PreparedModel, DistributedOptimizer]:
+) -> tuple[PreparedModel, DistributedOptimizer | list[DistributedOptimizer]]:
     """Make ``model`` and ``optimizer`` distributed with ``strategy``; see the module doc.
 
     ``options`` go to the strategy (``bucket_mb=``, ``compress=``,
     ``servers=``, ...). Returns ``(model, optimizer)`` to use in their place.
     ``optimizer=None`` is accepted by the ``ps-*`` strategies only: the
-    servers then use the optimizer they were started with.
+    servers then use the optimizer they were started with. A list of
+    optimizers gives a list of prepared ones (``allreduce``). DDP's keywords
+    are accepted as :mod:`gradhub.train.ddp_options` says.
     """
     if isinstance(model, PreparedModel):
         raise TypeError("this model was already prepared; pass the original module")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(optimizer, DistributedOptimizer) or not (
-        optimizer is None or isinstance(optimizer, torch.optim.Optimizer)
+    several = isinstance(optimizer, (list, tuple))
+    given: list[Any] = list(optimizer) if several else [optimizer]  # type: ignore[arg-type]
+    if not given or any(
+        isinstance(o, DistributedOptimizer)
+        or not (o is None or isinstance(o, torch.optim.Optimizer))
+        or (o is None and several)
+        for o in given
     ):
         raise TypeError(
-            "optimizer must be the script's torch.optim.Optimizer, built over model.parameters()"
+            "optimizer must be the script's torch.optim.Optimizer (or a list of them), "
+            "built over model.parameters()"
         )
     if isinstance(strategy, str):
-        impl = make_strategy(strategy, **options)
-    elif options:
+        check_name(strategy)
+    if not isinstance(strategy, str) and set(options) - KEYWORDS:
         raise TypeError("options go to the strategy's constructor, not with an instance")
-    else:
-        impl = strategy
     runtime = runtime if runtime is not None else init()
+    name = strategy if isinstance(strategy, str) else None
+    ddp, options = split_ddp_options(name, options, runtime.device)
+    impl = make_strategy(strategy, **options) if isinstance(strategy, str) else strategy
+    impl.ddp = ddp
     model.to(runtime.device)
-    impl.setup(model, optimizer, runtime)  # None: only ps-*, which then use the servers' own
+    impl.setup(model, given if several else given[0], runtime)  # None: only ps-*
     # Under ps-* without an optimizer, a stand-in that is never stepped keeps the API whole.
-    shown = optimizer if optimizer is not None else torch.optim.SGD(model.parameters(), lr=0.0)
-    return PreparedModel(model, impl), DistributedOptimizer(shown, impl)
+    if given[0] is None:
+        given = [torch.optim.SGD(model.parameters(), lr=0.0)]
+    prepared = [DistributedOptimizer(o, impl, i) for i, o in enumerate(given)]
+    return PreparedModel(model, impl), prepared if several else prepared[0]
 
 
 def _strategy_of(model: Any) -> Strategy:

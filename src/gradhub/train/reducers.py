@@ -59,12 +59,19 @@ What ``"fp16"`` / ``"bf16"`` mean:
   backend (gloo adds in half precision), as DDP's ``fp16_compress_hook``
   does; every rank receives the same 16-bit sum.
 
+DDP's comm hooks (``model.register_comm_hook(state, hook)``, ``allreduce``
+only) run through :class:`CommHook`: the hook gets a :class:`GradBucket`
+(DDP's interface: ``index()``, ``buffer()``, ``gradients()``,
+``parameters()``, ``is_last()``, ``set_buffer()``) holding raw gradients and
+returns a ``torch.futures.Future`` of the summed bucket.
+
 ``"fp16"`` does not saturate either way: a contribution or sum beyond
 +-65504 arrives as inf, which a loss scaler counts as found inf.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Protocol, runtime_checkable
@@ -163,6 +170,84 @@ class HalfAllReduce(AllReduce):
             return all_reduce(bucket, group=self.collective, compress=self.codec)
         wire = bucket.to(self.dtype)
         return _Widen(dist.all_reduce(wire, group=self.group, async_op=True), wire, bucket)
+
+
+class GradBucket:
+    """DDP's ``GradBucket`` interface over one bucket, for a comm hook."""
+
+    def __init__(
+        self,
+        index: int,
+        buffer: torch.Tensor,
+        params: list[torch.nn.Parameter],
+        offsets: list[int],
+        is_last: bool,
+    ) -> None:
+        self._index, self._buffer, self._params = index, buffer, params
+        self._offsets, self._is_last = offsets, is_last
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def set_buffer(self, buffer: torch.Tensor) -> None:
+        self._buffer.copy_(buffer)
+
+    def gradients(self) -> list[torch.Tensor]:
+        b = self._buffer
+        return [
+            b[o : o + p.numel()].view_as(p)
+            for p, o in zip(self._params, self._offsets, strict=True)
+        ]
+
+    def parameters(self) -> list[torch.Tensor]:
+        return list(self._params)
+
+    def is_last(self) -> bool:
+        return self._is_last
+
+
+class CommHook:
+    """Runs a DDP comm hook ``hook(state, bucket) -> Future[Tensor]`` on a bucket."""
+
+    def __init__(self, state: object, hook: Callable[..., Any]) -> None:
+        if not callable(hook):
+            raise TypeError(f"a comm hook is a callable (state, bucket) -> Future, got {hook!r}")
+        self.state, self.hook = state, hook
+
+    def launch(self, bucket: GradBucket, tail: torch.Tensor | None) -> Any:
+        """Start the hook; ``tail`` (used flags, count) is summed by a plain all-reduce."""
+        future = self.hook(self.state, bucket)
+        if not isinstance(future, torch._C.Future):
+            raise TypeError(
+                f"the comm hook returned {type(future).__name__}, not a torch.futures.Future"
+                "\n- help: return the future of an async collective, as DDP's hooks do"
+            )
+        work = None if tail is None else dist.all_reduce(tail, async_op=True)
+        return _HookWork(future, bucket.buffer(), work)
+
+
+class _HookWork:
+    """Waits for a comm hook's future (bounded), then puts its tensor in the bucket."""
+
+    def __init__(self, future: Any, buffer: torch.Tensor, tail: Any) -> None:
+        self._future, self._buffer, self._tail = future, buffer, tail
+        self._done = threading.Event()
+        future.add_done_callback(lambda _: self._done.set())
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        seconds = None if timeout is None else timeout.total_seconds()
+        if not self._done.wait(seconds):
+            return False
+        value = self._future.value()  # raises the hook's error
+        tensor = value[0] if isinstance(value, (list, tuple)) else value
+        if tensor.data_ptr() != self._buffer.data_ptr():
+            self._buffer.copy_(tensor.reshape(-1))
+        if self._tail is not None:
+            return bool(self._tail.wait(timeout) if timeout is not None else self._tail.wait())
+        return True
 
 
 def _powersgd(**options: Any) -> BucketReducer:

@@ -104,8 +104,14 @@ class DataParallelTrainer:
         if self._prepared is None:
             if self._impl is None:
                 self._impl = make_strategy(self.strategy, **self.options)
+            # fit's ranks run uneven numbers of forwards (no forward in a step without
+            # samples, uneven eval shares): buffers follow rank 0 at set-up only.
             self._prepared = prepare(
-                self.model, self.optimizer, strategy=self._impl, runtime=self.runtime
+                self.model,
+                self.optimizer,
+                strategy=self._impl,
+                runtime=self.runtime,
+                forward_sync_buffers=False,
             )
         return self.runtime, *self._prepared
 

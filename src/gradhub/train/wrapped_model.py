@@ -5,12 +5,25 @@ Unlike DDP's wrapper, ``state_dict()`` and ``load_state_dict()`` are the
 original module's, keys unchanged (no ``module.`` prefix), so checkpoints
 load into a plain model; attributes the wrapper does not have are looked up
 on the original module.
+
+DDP's surface, each as DDP documents it (decisions in
+:mod:`gradhub.train.strategies.base` and :mod:`.strategies.forward`):
+
+- ``require_backward_grad_sync`` (read and set, as nanoGPT does per
+  micro-step) *is* the strategy's sync flag; ``no_sync()`` sets it for a
+  block. Whether a backward synchronises is decided at the model's forward
+  with grad enabled, as DDP decides it.
+- ``forward`` broadcasts buffers from rank 0 first where DDP would
+  (``broadcast_buffers``) and, inside ``join()``, tells the joined ranks.
+- ``join()`` (uneven inputs) and ``register_comm_hook(state, hook)``: under
+  ``allreduce``; elsewhere a :class:`~gradhub.errors.MisuseError` saying what
+  to use instead.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -32,7 +45,37 @@ class PreparedModel(torch.nn.Module):
         return self._gradhub_strategy
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        strategy = self._gradhub_strategy
+        strategy.before_forward()
+        out = self.module(*args, **kwargs)
+        strategy.after_forward()
+        return out
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """Whether the next backward synchronises (DDP's attribute; ``no_sync`` sets it)."""
+        return self._gradhub_strategy.sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self._gradhub_strategy.sync = bool(value)
+
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> contextlib.AbstractContextManager[Any]:
+        """DDP's ``join()`` for uneven inputs (see :mod:`gradhub.train.strategies.join`)."""
+        return self._gradhub_strategy.join(
+            divide_by_initial_world_size=divide_by_initial_world_size,
+            enable=enable,
+            throw_on_early_termination=throw_on_early_termination,
+        )
+
+    def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
+        """DDP's ``register_comm_hook`` (``allreduce`` only; elsewhere use ``compress=``)."""
+        self._gradhub_strategy.register_comm_hook(state, hook)
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Backward passes inside only accumulate gradients locally, as DDP's ``no_sync``.

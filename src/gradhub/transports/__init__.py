@@ -1,14 +1,44 @@
 """How the bytes of a collective travel, and the group they travel in.
 
-- :mod:`.group`: :class:`~.group.CollectiveGroup`, a process group with one
-  timeout, check-ins and errors that name the rank; :mod:`.operation`: one
-  operation in progress and its future.
-- :mod:`.choice`: which transport a group takes (the one place that decides).
-- :mod:`.p2p_ring`: the ring over point-to-point messages; :mod:`.schedule`:
-  its schedule and summation order, pure.
-- :mod:`.shm`: shared memory among the ranks of one host.
-- :mod:`.hierarchical`: shared memory inside each host, the ring between hosts.
+- :mod:`.base`: :class:`Transport`, the interface every transport implements
+  (reduce-scatter, all-gather, all-reduce, broadcast, close), whose docstring
+  is the contract: summation order, how a dead or late peer is named.
+- :mod:`.choice`: which transport a group takes (the one place that decides:
+  :func:`select`, :func:`chosen`, ``GRADHUB_TRANSPORT``).
+- One module per transport: :mod:`.single` (one rank), :mod:`.native` (the
+  backend's own collectives, ``"gloo"``), :mod:`.p2p_ring` (the ring over
+  point-to-point messages, ``"ring"``), :mod:`.shm` (shared memory on one
+  host, set up by :mod:`.shm_setup`), :mod:`.hierarchical` (shared memory
+  inside each host, the ring between hosts).
+- :mod:`.group`: :class:`CollectiveGroup`, a process group with one timeout,
+  check-ins, a worker thread and errors that name the rank; :mod:`.operation`:
+  one operation in progress and its future; :mod:`.stores`: what torch keeps
+  about a group and its store, and the roll call; :mod:`.schedule`: the ring's
+  schedule and summation order, pure.
 
-Below :mod:`gradhub.collective` (the public collectives, AllReduceParameter,
-ShardedOptimizer) and the torch.distributed backend; above :mod:`gradhub._shm`.
+A caller (:mod:`gradhub.collective.ring`, the torch.distributed backend) runs
+an operation on the group's worker thread as::
+
+    op = group.begin("all_reduce", timeout, check_in=checks_in(group))
+    select(group, op).all_reduce(op, flat, codec, Chunking())
+
+Layering: above :mod:`gradhub._shm` and the pure top-level modules, below
+:mod:`gradhub.runtime` and every subsystem (``tests/core/test_import_graph.py``).
 """
+
+from gradhub.transports.base import Chunking, Transport
+from gradhub.transports.choice import CHOICES, checks_in, chosen, requested, select
+from gradhub.transports.group import CollectiveFuture, CollectiveGroup, Operation
+
+__all__ = [
+    "CHOICES",
+    "Chunking",
+    "CollectiveFuture",
+    "CollectiveGroup",
+    "Operation",
+    "Transport",
+    "checks_in",
+    "chosen",
+    "requested",
+    "select",
+]

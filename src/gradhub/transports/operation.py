@@ -67,22 +67,29 @@ class CollectiveFuture(Generic[T]):
             timeout = timeout.total_seconds()
         begin = time.monotonic()
         while True:
-            # Poll with concurrent.futures.wait: result(timeout=) raises TimeoutError
-            # on expiry, which CollectiveTimeoutError (the operation's own error)
-            # also is, and the two must not be confused.
-            done, _ = concurrent.futures.wait([self._future], timeout=0.5)
-            if done:
-                return self._future.result()
-            now = time.monotonic()
-            if timeout is not None and now - begin >= timeout:
-                raise CollectiveTimeoutError(
-                    self._operation, [], timeout, "the caller's wait ran out first"
-                )
-            started = self._started
-            if started is not None and now - started > self._timeout + _FUTURE_GRACE:
-                raise CollectiveTimeoutError(
-                    self._operation,
-                    [],
-                    self._timeout,
-                    "the operation did not return past its own deadline",
-                )
+            left = None if timeout is None else begin + timeout - time.monotonic()
+            try:
+                # exception() returns the operation's own error (which may be a
+                # TimeoutError too) and raises TimeoutError only when the slice ends.
+                self._future.exception(timeout=0.5 if left is None else max(min(left, 0.5), 0))
+            except TimeoutError:
+                self._check_waited(begin, timeout)
+                continue
+            return self._future.result()
+
+    def _check_waited(self, begin: float, timeout: float | None) -> None:
+        """Give up when the caller's ``timeout`` or the operation's own deadline
+        (plus a grace) has passed."""
+        now = time.monotonic()
+        if timeout is not None and now - begin >= timeout:
+            raise CollectiveTimeoutError(
+                self._operation, [], timeout, "the caller's wait ran out first"
+            )
+        started = self._started
+        if started is not None and now - started > self._timeout + _FUTURE_GRACE:
+            raise CollectiveTimeoutError(
+                self._operation,
+                [],
+                self._timeout,
+                "the operation did not return past its own deadline",
+            )

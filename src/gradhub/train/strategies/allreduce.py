@@ -11,8 +11,8 @@ backward, as DDP does:
   full its reduction starts at once, so communication overlaps the rest of
   backward. Buckets start strictly in index order on every rank, so the
   collectives always match even if backward order differs between ranks.
-- When backward ends, every bucket is waited for and each parameter's
-  ``.grad`` becomes a view of its bucket slot (no copy back): after
+- When backward ends, every bucket is waited for and each used parameter's
+  ``.grad`` becomes a view of its bucket slot (no copy back; fp32): after
   ``loss.backward()`` the gradients are combined, so clipping them with
   ``torch.nn.utils.clip_grad_norm_`` clips by the global norm.
 - Weights: by default ``1 / world_size`` (DDP's mean of the ranks' means,
@@ -20,7 +20,7 @@ backward, as DDP does:
   is ``n / global_n``: the step equals the single-process step on the global
   batch, exact for uneven batches. With ``set_samples(n)`` alone, the
   gradients are multiplied by ``n`` and the sum divided by the summed count.
-  The count rides as one extra element of bucket 0 (no extra collective).
+  The count rides at the end of the bucket launched last (no extra collective).
 - ``compress=`` picks the bucket reducer (:mod:`gradhub.train.reducers`):
   ``"none"``, ``"fp16"``, ``"bf16"`` (16 bits on the wire, summed in fp32),
   ``"powersgd"``, or one registered there. The built-in ones reduce on the
@@ -28,24 +28,53 @@ backward, as DDP does:
   across hosts). A reducer with ``launch`` is started from the hooks; one
   with only ``reduce`` runs on one communication thread, buckets in order.
 
-Decisions:
-- A parameter that received no gradient on a rank contributes zeros from that
-  rank; it is updated like every other parameter (with the combined gradient,
-  zero if no rank used it).
-- Buffers (e.g. batch-norm statistics) are broadcast from rank 0 at set-up,
-  not on every step.
+Decisions (DDP's documented behaviour where the issue was silent):
+- Gradients are combined as DDP combines them, bit for bit on 2 ranks: each
+  rank's gradient times ``1 / world_size`` (``torch.mul`` into the bucket,
+  DDP's ``mul_out``), summed. A synchronising backward after another one
+  (no step between) combines again what ``.grad`` then holds: the combined
+  gradient plus the new local one, as DDP.
+- Used flags: one float per parameter rides at the end of the bucket
+  launched last (with the sample count), so every rank learns which
+  parameters some rank used at no extra collective. A parameter no rank
+  used keeps its ``.grad`` (``None`` after ``zero_grad``) and the optimizer
+  skips it, as DDP ``find_unused_parameters=True``; one used on some ranks
+  gets zeros (or its stale ``.grad``) from the others, as DDP.
+- Buffers follow rank 0 at forward (:mod:`.forward`); parameters and buffers
+  start from rank 0's at set-up.
+- ``optimizer.step()`` with no backward since the last step steps the
+  script's optimizer on what ``.grad`` holds (the same bits on every rank),
+  as DDP would. Any ``torch.optim.Optimizer`` works, custom classes too, and
+  several over disjoint parameters: ``prepare(model, [opt_a, opt_b])``
+  returns one prepared optimizer per optimizer; step each. A trainable
+  parameter in no optimizer is still combined, never moved.
+- bf16 and fp16 parameters: buckets stay fp32; a 16-bit gradient is widened
+  exactly, multiplied by the weight and summed in fp32, and the sum is
+  rounded once (to nearest even) into a 16-bit ``.grad`` (a copy, not a
+  view). DDP sums in the parameter dtype, so its bits differ there; the
+  result here is the more accurate one. float64 parameters are refused
+  (the fp32 buckets would round them).
+- ``register_comm_hook(state, hook)`` as DDP's: the bucket then holds raw
+  gradients (no division), the hook gets a :class:`~gradhub.train.reducers.GradBucket`
+  and the tensor its future returns is the bucket's sum; the used flags and
+  sample count go in one small separate all-reduce. ``set_samples`` is
+  refused with a hook (the hook does the averaging).
+- ``join()``: see :mod:`.join`. A joined rank shadows each step's bucket
+  reductions with zero buckets of its own.
 - Loss scaling (:class:`gradhub.GradScaler`): every bucket is waited for
   when backward ends, so ``unscale_`` reads reduced gradients, the same bits
   on every rank: the found-inf check is local and agrees by construction. An
   overflow on the wire (``compress="fp16"`` encodes in half without
   saturating: a contribution or a sum beyond its range) arrives as inf and
   counts as found inf. A skipped step calls the reducer's ``step_skipped()``
-  where it has one.
+  where it has one. torch's own ``GradScaler`` works unchanged: a skipped
+  ``step`` leaves the next backward to combine again.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -53,6 +82,7 @@ from typing import Any
 import torch
 
 from gradhub._config import config_or_options
+from gradhub.errors import MisuseError
 from gradhub.train import reducers
 from gradhub.train.strategies.base import Strategy
 
@@ -77,12 +107,17 @@ class AllReduceConfig:
         reducers.check_name(self.compress)
 
 
+_WIDTHS = (torch.float32, torch.bfloat16, torch.float16)
+"""Parameter dtypes the fp32 buckets hold without rounding a gradient."""
+
+
 @dataclass
 class _Bucket:
     params: list[torch.nn.Parameter]
     offsets: list[int]
     buffer: torch.Tensor
     shapes: list[torch.Size]
+    size: int  # elements holding gradients; the tail (used flags, count) follows
     ready: int = 0
     work: Any = None
     filled: set[int] = field(default_factory=set)
@@ -103,10 +138,27 @@ class _FutureWork:
         return True
 
 
+class _Patient:
+    """Waits for a bucket's reduction a little past the group's timeout: the
+    reduction started first, so its own error (which names the ranks that did
+    not answer) comes first and is the one raised, not the caller's."""
+
+    def __init__(self, work: Any, timeout: float) -> None:
+        self._work, self._grace = work, timedelta(seconds=min(5.0, timeout))
+
+    def wait(self, timeout: timedelta | None = None) -> Any:
+        """What the work's own ``wait`` returns (``False`` only on a c10d timeout)."""
+        if timeout is None:
+            return self._work.wait()
+        return self._work.wait(timeout + self._grace)
+
+
 class AllReduceStrategy(Strategy):
     """Bucketed, overlapped all-reduce of gradients; the local optimizer steps."""
 
     name = "allreduce"
+    several_optimizers = True
+    supports_join = True
 
     def __init__(self, config: AllReduceConfig | None = None, **options: Any) -> None:
         super().__init__()
@@ -114,14 +166,25 @@ class AllReduceStrategy(Strategy):
         self._buckets: list[_Bucket] = []
         self._where: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, index in bucket)
         self._reducer: Any = None
+        self._hook: reducers.CommHook | None = None
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None
         self._scale = 0.0
         self._by_count = False
         self._next_launch = 0
+        self._shadowing = False  # a joined rank's zero contribution
+        self._divisor = 1
+        self._index: dict[int, int] = {}  # id(param) -> position in self.params
 
     # set-up ------------------------------------------------------------------------
 
     def _setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        odd = sorted({str(p.dtype) for p in self.params if p.dtype not in _WIDTHS})
+        if odd:
+            raise ValueError(
+                f"strategy 'allreduce' sums gradients in fp32 buckets; parameters of "
+                f"dtype {', '.join(odd)} would be rounded\n- help: call model.float() "
+                "(or .bfloat16()) before gradhub.prepare"
+            )
         self._broadcast_from_rank0(model)
         options = dict(self.config.compress_options)
         # The job's group: the built-in reducers use its transport (shm on one host).
@@ -130,6 +193,7 @@ class AllReduceStrategy(Strategy):
         if not hasattr(self._reducer, "launch"):
             self._thread = concurrent.futures.ThreadPoolExecutor(1, "gradhub-reduce")
         self._build_buckets(self.params)
+        self._index = {id(p): k for k, p in enumerate(self.params)}
 
     def _build_buckets(self, params: list[torch.nn.Parameter]) -> None:
         limit = max(1, int(self.config.bucket_mb * 1024 * 1024 / 4))
@@ -148,9 +212,29 @@ class AllReduceStrategy(Strategy):
                 offsets.append(total)
                 total += p.numel()
                 self._where[id(p)] = (b, i)
-            extra = 1 if b == 0 else 0  # bucket 0 carries the sample count
-            buffer = torch.zeros(total + extra, dtype=torch.float32, device=device)
-            self._buckets.append(_Bucket(group, offsets, buffer, [p.shape for p in group]))
+            # The bucket launched last carries a used flag per parameter and the count.
+            tail = len(params) + 1 if b == len(groups) - 1 else 0
+            buffer = torch.zeros(total + tail, dtype=torch.float32, device=device)
+            self._buckets.append(_Bucket(group, offsets, buffer, [p.shape for p in group], total))
+
+    def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
+        """DDP's ``register_comm_hook`` (see the module docstring); once, before training."""
+        if self._hook is not None:
+            raise MisuseError("register_comm_hook can only be called once, as DDP's")
+        if self.steps or self._synced or self._samples is not None:
+            raise MisuseError(
+                "register_comm_hook after training started or with set_samples\n- help: "
+                "register it right after gradhub.prepare; the hook does the averaging"
+            )
+        self._hook = reducers.CommHook(state, hook)
+
+    def set_samples(self, samples: int, global_samples: int | None = None) -> None:
+        if self._hook is not None:
+            raise MisuseError(
+                "set_samples with a comm hook: the hook decides how ranks are weighted\n"
+                "- help: weight inside the hook, or drop register_comm_hook"
+            )
+        super().set_samples(samples, global_samples)
 
     # one synchronising backward ------------------------------------------------------
 
@@ -159,8 +243,7 @@ class AllReduceStrategy(Strategy):
             bucket.ready, bucket.work = 0, None
             bucket.filled.clear()
         self._scale, self._by_count = self._weights()
-        samples = self._samples[0] if self._samples is not None else 1
-        self._buckets[0].buffer[-1] = float(samples)
+        self._divisor = self.world_size if self._join is None else self._join.divisor
         self._next_launch = 0
 
     def _grad_ready(self, p: torch.Tensor) -> None:
@@ -176,22 +259,51 @@ class AllReduceStrategy(Strategy):
     def _fill(self, bucket: _Bucket, i: int, grad: torch.Tensor | None) -> None:
         p, offset = bucket.params[i], bucket.offsets[i]
         slot = bucket.buffer[offset : offset + p.numel()]
-        if grad is None:
+        if grad is None or self._shadowing:
             slot.zero_()
+        elif _aliases(grad, slot):
+            as_view = self.ddp.gradient_as_bucket_view and self._samples is None
+            if self._hook is None and as_view:
+                slot.div_(self._divisor)  # DDP divides a bucket-view .grad in place
+            elif self._hook is None:
+                slot.mul_(self._scale)
+        elif self._hook is not None:
+            slot.copy_(grad.reshape(-1))  # a comm hook does its own averaging
+        elif grad.dtype == torch.float32:
+            torch.mul(grad.reshape(-1), self._scale, out=slot)  # DDP's mul_out
         else:
-            torch.mul(grad.reshape(-1), self._scale, out=slot)
+            slot.copy_(grad.reshape(-1))  # 16-bit: widened exactly, scaled in fp32
+            slot.mul_(self._scale)
         bucket.filled.add(i)
         bucket.ready += 1
 
     def _launch_ready(self) -> None:
         while self._next_launch < len(self._buckets):
-            bucket = self._buckets[self._next_launch]
+            index = self._next_launch
+            bucket = self._buckets[index]
             if bucket.ready < len(bucket.params):
                 return
-            bucket.work = self._launch(bucket, self._next_launch)
+            last = index == len(self._buckets) - 1
+            if last:  # every hook of this backward has run: the flags are complete
+                self._write_tail(bucket)
+            bucket.work = self._launch(bucket, index, last)
             self._next_launch += 1
 
-    def _launch(self, bucket: _Bucket, index: int) -> Any:
+    def _write_tail(self, bucket: _Bucket) -> None:
+        tail = bucket.buffer[bucket.size :]
+        if self._shadowing:
+            tail.zero_()
+            return
+        used = [1.0 if id(p) in self._used else 0.0 for p in self.params]
+        samples = self._samples[0] if self._samples is not None else 1
+        tail.copy_(torch.tensor([*used, float(samples)], dtype=torch.float32))
+
+    def _launch(self, bucket: _Bucket, index: int, last: bool) -> Any:
+        if self._hook is not None:
+            grads = reducers.GradBucket(
+                index, bucket.buffer[: bucket.size], bucket.params, bucket.offsets, last
+            )
+            return self._hook.launch(grads, bucket.buffer[bucket.size :] if last else None)
         kw = {"shapes": bucket.shapes, "bucket_index": index, "step": self.steps}
         if self._thread is None:
             return self._reducer.launch(bucket.buffer, **kw)
@@ -202,11 +314,19 @@ class AllReduceStrategy(Strategy):
         for bucket in self._buckets:
             for i, p in enumerate(bucket.params):
                 if i not in bucket.filled:
-                    self._fill(bucket, i, p.grad)
+                    grad = p.grad
+                    if grad is not None and id(p) not in self._used and not self._shadowing:
+                        # Unused here: keep its .grad off the bucket, in case no rank used it.
+                        grad = p.grad = grad.clone()
+                    self._fill(bucket, i, grad)
         self._launch_ready()
-        first = self._buckets[0]
-        self._wait(first.work, "all_reduce")
-        total = float(first.buffer[-1])
+        for bucket in self._buckets:
+            self._wait(_Patient(bucket.work, self.runtime.timeout), "all_reduce")
+        if self._shadowing:
+            return
+        last = self._buckets[-1]
+        used = last.buffer[last.size : last.size + len(self.params)] > 0
+        total = float(last.buffer[-1])
         if total <= 0 and self._samples is not None:
             raise ValueError("no rank processed any sample in this step")
         fix = None
@@ -218,16 +338,33 @@ class AllReduceStrategy(Strategy):
             expected = float(self._samples[1])
             fix = expected / total if total != expected else None
         for bucket in self._buckets:
-            if bucket is not first:
-                self._wait(bucket.work, "all_reduce")
             if fix is not None:
-                bucket.buffer.mul_(fix)
+                bucket.buffer[: bucket.size].mul_(fix)
             for p, offset in zip(bucket.params, bucket.offsets, strict=True):
-                p.grad = bucket.buffer[offset : offset + p.numel()].view_as(p)
+                if not used[self._index[id(p)]]:
+                    continue  # no rank used it: .grad stays as it was (DDP)
+                view = bucket.buffer[offset : offset + p.numel()].view_as(p)
+                p.grad = view if p.dtype == torch.float32 else view.to(p.dtype)
+
+    def _shadow_sync(self) -> None:
+        for p in self.params:  # a joined rank's own gradients stay as they are (DDP)
+            b, i = self._where[id(p)]
+            bucket = self._buckets[b]
+            offset = bucket.offsets[i]
+            if p.grad is not None and _aliases(p.grad, bucket.buffer[offset : offset + 1]):
+                p.grad = p.grad.clone()
+        self._shadowing = True
+        try:
+            self._begin_sync()
+            self._finish_backward()
+        finally:
+            self._shadowing = False
 
     def _apply(self) -> None:
-        assert self.optimizer is not None
-        self.optimizer.step()
+        self._step_optimizer(self._current)
+
+    def _apply_unsynced(self) -> None:
+        self._step_optimizer(self._current)  # DDP: step on what .grad holds
 
     def _skip(self) -> None:
         skipped = getattr(self._reducer, "step_skipped", None)
@@ -238,3 +375,8 @@ class AllReduceStrategy(Strategy):
         if self._thread is not None:
             self._thread.shutdown(wait=False, cancel_futures=True)
         super().close()
+
+
+def _aliases(grad: torch.Tensor, slot: torch.Tensor) -> bool:
+    """Whether ``grad`` is the bucket slot itself (a ``.grad`` left as a view)."""
+    return grad.data_ptr() == slot.data_ptr()

@@ -6,7 +6,8 @@ drives it, and ``fit`` drives the very same path. Contract, for every
 strategy (one module each):
 
 - :meth:`Strategy.setup` is called once per process, after ``gradhub.init()``,
-  with the model (already on ``runtime.device``), the user's optimizer (only
+  with the model (already on ``runtime.device``), the user's optimizer (a
+  list of them where :attr:`Strategy.several_optimizers`; only
   its class, hyperparameters and live ``param_groups`` are used where it is not
   stepped itself; ``None`` is allowed only by the parameter-server strategies)
   and the :class:`~gradhub.runtime.Runtime`. It makes every replica start
@@ -35,52 +36,62 @@ strategy (one module each):
 - :meth:`refresh` brings the local model up to date with the shared
   parameters (a no-op where every step already leaves the replicas equal).
 - :meth:`close` releases hooks, sockets and threads; idempotent.
-- Loss scaling (:class:`gradhub.GradScaler`, ``precision="fp16"``): after the
-  synchronising backward, :meth:`unscale_` multiplies the *combined*
-  gradient (the one :meth:`apply` and :meth:`clip_grad_norm_` use) by
-  ``1 / scale`` and says whether it holds inf or NaN. Every rank whose
-  update depends on the others' (``allreduce``, ``sharded``, ``ps-sync``)
-  gets the same answer; ``ps-async``/``ps-ssp`` decide per worker, since a
-  worker's push is applied on its own. On "found inf" the scaler calls
-  :meth:`skip` instead of :meth:`apply`: no update, the per-step bookkeeping
-  is reset as by a step. A skipped step counts in :attr:`steps` (the loop's
-  step count, as ``fit`` and its checkpoints count) and in
-  :attr:`skipped_steps`. :meth:`use_loss_scaling` tells the strategy that
-  gradients are scaled from now on, so that a wire codec lets an overflow
-  through as inf instead of saturating it into a finite, wrong value.
+- Loss scaling: :mod:`.scaling`.
 - A peer that dies or stops answering makes a step raise
   :class:`~gradhub.errors.WorkerFailedError` naming it, or
   :class:`~gradhub.errors.CollectiveTimeoutError`, within the runtime's
   timeout: never a hang.
 
+DDP's loop, line by line (decisions; DDP's documentation is the spec):
+
+- Buffers, ``join()``, comm hooks: :mod:`.forward`.
+- Whether a backward synchronises is decided as DDP decides it: by
+  ``sync`` (``model.require_backward_grad_sync``, ``no_sync()``) at the
+  model's last forward with grad enabled, else at the backward itself.
+- A synchronising backward after another one, with no step in between, is
+  allowed and does what DDP does: the local gradient accumulates onto what
+  ``.grad`` holds (the combined gradient) and that is combined again.
+- "Used" parameters: a parameter whose gradient was accumulated on some rank
+  since the last synchronising backward (``no_sync`` micro-steps included).
+  One no rank used keeps ``.grad`` as it was (``None`` after ``zero_grad``),
+  so the optimizer does not move it (DDP ``find_unused_parameters=True``);
+  every rank agrees (the flags are summed with the gradients; a strategy
+  without buckets calls :meth:`Strategy._used_anywhere` in
+  :meth:`Strategy._finish_backward`).
 Misuse (each a :class:`~gradhub.errors.MisuseError`, an error rather than a
 warning because each one makes ranks diverge or collectives mismatch):
-stepping the optimizer handed to ``prepare``; a second synchronising backward
-before ``step`` (ranks that ran a different number of them would pair
-mismatched collectives; use ``no_sync()`` for every micro-batch but the last,
-or sum the losses); ``step`` with no synchronising backward since the last one.
-All three are errors under every strategy, the ``ps-*`` ones included, where
-a backward communicates nothing (see :mod:`.ps` for why).
+stepping the optimizer handed to ``prepare``; ``step`` during backward;
+``step`` with gradients accumulated inside ``no_sync`` and not combined by a
+synchronising backward since. ``step`` with no backward at all since the last
+step uses what ``.grad`` holds where the strategy can (``allreduce``: the
+same bits on every rank); elsewhere it is refused (:meth:`_apply_unsynced`).
 """
 
 from __future__ import annotations
 
 import abc
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
 
 from gradhub.errors import ClosedError, MisuseError, StateError
 from gradhub.runtime import Runtime
+from gradhub.train.ddp_options import DDPOptions
+from gradhub.train.strategies.forward import ForwardSide
+from gradhub.train.strategies.join import Join
+from gradhub.train.strategies.replicas import unscale_tensors
+from gradhub.train.strategies.scaling import LossScaling
 
 Closure = Callable[[], torch.Tensor]
 """Runs the forward pass on the local batch and returns its mean loss."""
 
+Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None
+"""One optimizer, several over disjoint parameters (where supported), or none."""
 
-class Strategy(abc.ABC):
+
+class Strategy(LossScaling, ForwardSide, abc.ABC):
     """One way of keeping data-parallel replicas in step."""
 
     name: ClassVar[str]
@@ -94,6 +105,10 @@ class Strategy(abc.ABC):
     processes (the parameter servers of ``ps-*``), so that they outlive a
     worker restart and a restarted worker takes them from there."""
 
+    several_optimizers: ClassVar[bool] = False
+    """Whether several optimizers over disjoint parameters (and parameters in
+    none of them) are accepted; else one optimizer holds every trainable one."""
+
     def __init__(self) -> None:
         self._runtime: Runtime | None = None
         self._closed = False
@@ -103,13 +118,24 @@ class Strategy(abc.ABC):
         """Steps skipped by a loss scaler for an overflow (see :meth:`skip`)."""
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
+        self.optimizers: list[torch.optim.Optimizer] = []
+        """Every optimizer handed to ``prepare`` (:attr:`optimizer` is the first)."""
         self.params: list[torch.nn.Parameter] = []
         self.sync = True
         """False inside :meth:`no_sync`: backward passes only accumulate locally."""
+        self.ddp = DDPOptions()
+        """DDP's keywords given to ``prepare`` (set before :meth:`setup`)."""
         self._samples: tuple[int, int | None] | None = None
         self._in_backward = False
+        self._syncing = False  # the backward running now synchronises
         self._synced = False  # a synchronising backward ran since the last step
+        self._local = False  # a no_sync backward ran since the last synchronising one
+        self._used: set[int] = set()  # ids of parameters used since the last sync
+        self._sync_at_forward: bool | None = None
+        self._forward_param_sync = True  # DDP's require_forward_param_sync
+        self._join: Join | None = None
         self._stepping = False  # the original optimizer may be stepped (by us)
+        self._current = 0  # index of the optimizer being stepped
         self._handles: list[Any] = []
 
     @property
@@ -124,37 +150,51 @@ class Strategy(abc.ABC):
     def world_size(self) -> int:
         return self.runtime.world_size
 
-    def setup(
-        self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer | None,
-        runtime: Runtime,
-    ) -> None:
-        """Attach to a model and optimizer; replicas start equal after this."""
+    def setup(self, model: torch.nn.Module, optimizer: Optimizers, runtime: Runtime) -> None:
+        """Attach to a model and optimizer(s); replicas start equal after this."""
         if self._runtime is not None:
             raise StateError(f"strategy {self.name!r} is already set up")
-        if optimizer is None and self.needs_optimizer:
-            raise ValueError(f"strategy {self.name!r} needs the training script's optimizer")
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer)!r}")
+        optimizers = self._check_optimizers(optimizer)
         runtime.check_open()
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("the model has no parameters that require gradients")
-        if optimizer is not None:
-            known = {id(p) for g in optimizer.param_groups for p in g["params"]}
-            if any(id(p) not in known for p in self.params):
-                raise ValueError(
-                    "the optimizer does not hold every trainable parameter of the model\n"
-                    "- help: build it over model.parameters() before gradhub.prepare"
-                )
-        self._runtime, self.model, self.optimizer = runtime, model, optimizer
-        self._setup(model, optimizer)
+        held = [id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]]
+        if len(held) != len(set(held)):
+            raise ValueError(
+                "a parameter is in two optimizers (or twice in one)\n- help: give each "
+                "optimizer its own parameters"
+            )
+        if optimizers and not self.several_optimizers and set(map(id, self.params)) - set(held):
+            raise ValueError(
+                "the optimizer does not hold every trainable parameter of the model\n"
+                "- help: build it over model.parameters() before gradhub.prepare, or "
+                "use strategy='allreduce'"
+            )
+        self._runtime, self.model = runtime, model
+        self.optimizers = optimizers
+        self.optimizer = optimizers[0] if optimizers else None
+        self._setup(model, self.optimizer)
         for p in self.params:
-            self._handles.append(p.register_hook(self._before_grad))
             self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
-        if optimizer is not None:
-            self._handles.append(optimizer.register_step_pre_hook(self._guard_original))
+        for opt in optimizers:
+            self._handles.append(opt.register_step_pre_hook(self._guard_original))
+
+    def _check_optimizers(self, optimizer: Optimizers) -> list[torch.optim.Optimizer]:
+        if optimizer is None:
+            if self.needs_optimizer:
+                raise ValueError(f"strategy {self.name!r} needs the training script's optimizer")
+            return []
+        many: list[Any] = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        for opt in many:
+            if not isinstance(opt, torch.optim.Optimizer):
+                raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(opt)!r}")
+        if len(many) != 1 and not self.several_optimizers:
+            raise ValueError(
+                f"strategy {self.name!r} takes one optimizer, got {len(many)}\n- help: one "
+                "optimizer with several param_groups, or strategy='allreduce'"
+            )
+        return many
 
     @abc.abstractmethod
     def _setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None: ...
@@ -180,33 +220,27 @@ class Strategy(abc.ABC):
             )
         self._samples = (int(samples), None if global_samples is None else int(global_samples))
 
-    def _before_grad(self, grad: torch.Tensor) -> None:
-        # Runs before the gradient is accumulated into ``.grad``: a refused
-        # backward leaves every gradient as it was.
-        if not self._in_backward and self.sync and self._synced:
-            raise MisuseError(
-                "a second backward() before optimizer.step(), outside no_sync(): a backward "
-                "outside no_sync() ends the step's gradient (allreduce and sharded combine it "
-                "across ranks during that backward, so ranks would pair mismatched "
-                "collectives); every strategy refuses it, so a loop runs unchanged under "
-                "each\n- help: run every micro-batch but the last under "
-                "`with model.no_sync():`, or add the losses and call backward once"
-            )
-
     def _on_grad(self, p: torch.Tensor) -> None:
+        self._used.add(id(p))
         if not self._in_backward:
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
-            if self.sync:
+            at_forward, self._sync_at_forward = self._sync_at_forward, None
+            self._syncing = self.sync if at_forward is None else at_forward
+            if self._syncing:
                 self._begin_sync()
-        if self.sync:
+        if self._syncing:
             self._grad_ready(p)
 
     def _backward_end(self) -> None:
         self._in_backward = False
-        if self.sync:
-            self._finish_backward()
-            self._synced = True
+        if not self._syncing:
+            self._local = True
+            return
+        self._syncing = False
+        self._finish_backward()
+        self._synced, self._local = True, False
+        self._used.clear()
 
     def _guard_original(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self._stepping:
@@ -216,18 +250,21 @@ class Strategy(abc.ABC):
                 "that gradhub.prepare returned"
             )
 
-    def apply(self) -> None:
-        """The prepared optimizer's ``step``: combine every rank's gradients, update."""
+    def apply(self, index: int = 0) -> None:
+        """The prepared optimizer's ``step`` (of optimizer ``index``): combine, update."""
         if self._in_backward:
             raise MisuseError("optimizer.step() called during backward()")
-        if not self._synced:
+        if self._local:
             raise MisuseError(
-                "optimizer.step() without a backward() outside no_sync() since the last "
-                "step: nothing ended the step's gradient (under allreduce and sharded it "
-                "would never have been combined across ranks); every strategy refuses it"
-                "\n- help: run the last micro-batch's backward outside "
-                "`with model.no_sync():`"
+                "optimizer.step() without a backward() outside no_sync() since a backward() "
+                "inside no_sync(): those gradients were never combined across ranks\n"
+                "- help: run the last micro-batch's backward outside "
+                "`with model.no_sync():` (or with model.require_backward_grad_sync = True)"
             )
+        self._current = index
+        if not self._synced:
+            self._apply_unsynced()
+            return
         self._stepping = True
         try:
             self._apply()
@@ -237,76 +274,29 @@ class Strategy(abc.ABC):
             self._samples = None
         self._step_done()
 
+    def _apply_unsynced(self) -> None:
+        """``step`` with no backward since the last step (default: refused)."""
+        raise MisuseError(
+            "optimizer.step() without a backward() outside no_sync() since the last "
+            f"step: under strategy {self.name!r} there is no combined gradient to apply"
+            "\n- help: run the last micro-batch's backward outside `with model.no_sync():`"
+        )
+
+    def _step_optimizer(self, index: int) -> None:
+        """Step the script's optimizer ``index`` itself (past the guard)."""
+        self._stepping = True
+        try:
+            self.optimizers[index].step()
+        finally:
+            self._stepping = False
+
     def _step_done(self) -> None:
         # An LR scheduler made on the original optimizer counts that optimizer's
         # steps; where it is not stepped itself, record the step the scheduler expects.
-        opt = self.optimizer
+        opt = self.optimizers[self._current] if self.optimizers else None
         if opt is not None and hasattr(opt.step, "_wrapped_by_lr_sched"):
             opt._opt_called = True  # type: ignore[attr-defined]
         self.steps += 1
-
-    # loss scaling (gradhub.GradScaler) ---------------------------------------------
-
-    def use_loss_scaling(self) -> None:
-        """Gradients are loss-scaled from now on (called by :class:`gradhub.GradScaler`).
-
-        Default: nothing to change. A strategy whose wire codec saturates
-        (``sharded`` with ``compress="fp16"``) switches to one that turns an
-        overflow into inf, so :meth:`unscale_` finds it.
-        """
-        return None
-
-    def unscale_(self, inv_scale: float) -> bool:
-        """Multiply the combined gradient by ``inv_scale``; True if it holds inf or NaN.
-
-        Call it after the synchronising backward, before :meth:`clip_grad_norm_`
-        and :meth:`apply` / :meth:`skip`. The answer is the same on every rank
-        that shares the step (see the module docstring).
-        """
-        self._check_step_ready("unscale_")
-        return self._unscale(float(inv_scale))
-
-    def _unscale(self, inv_scale: float) -> bool:
-        """Default: the ``.grad`` of the parameters is the combined gradient,
-        the same bits on every rank (``allreduce``), so a local check agrees."""
-        return unscale_tensors([p.grad for p in self.params if p.grad is not None], inv_scale)
-
-    def skip(self) -> None:
-        """End this step without an update (a loss scaler found inf).
-
-        Resets the per-step bookkeeping as :meth:`apply` does, so the next
-        backward is the next step's; counts in :attr:`steps` and
-        :attr:`skipped_steps`. Every rank that shares the step skips it
-        (the scaler's agreed decision); under ``ps-ssp`` the skip still
-        advances this worker's clock on the servers (see :mod:`.ps`).
-        """
-        self._check_step_ready("skip")
-        try:
-            self._skip()
-        finally:
-            self._synced = False
-            self._samples = None
-        self.skipped_steps += 1
-        self._step_done()
-
-    def _skip(self) -> None:
-        """Drop what this step prepared for :meth:`_apply` (default: nothing)."""
-        return None
-
-    def _agree(self, found: bool) -> bool:
-        """True on every rank if ``found`` on any (one all-reduce of a flag)."""
-        flag = torch.tensor([1.0 if found else 0.0], device=self.params[0].device)
-        return bool(self.runtime.all_reduce_sum(flag, where="loss scaling: found inf")[0] > 0)
-
-    def _check_step_ready(self, what: str) -> None:
-        if self._in_backward:
-            raise MisuseError(f"{what} called during backward()")
-        if not self._synced:
-            raise MisuseError(
-                f"{what} without a backward() outside no_sync() since the last step: the "
-                "gradients were never combined across ranks\n- help: call it after the "
-                "last micro-batch's backward, before optimizer.step()"
-            )
 
     def step(self, closure: Closure, samples: int, global_samples: int) -> None:
         """One whole step: weights, backward (if ``samples``), combine, update."""
@@ -324,6 +314,7 @@ class Strategy(abc.ABC):
         (a rank with no sample in this step): contributes its accumulated
         gradients, zeros where there are none. No-op if a backward already synced."""
         if not self._synced:
+            self._syncing = True
             self._begin_sync()
             self._backward_end()
 
@@ -356,17 +347,7 @@ class Strategy(abc.ABC):
 
     def load_optimizer_state_dict(self, state: dict[str, Any]) -> None:
         assert self.optimizer is not None
-        # torch's load_state_dict replaces the group list and dicts and the state:
-        # the prepared optimizer and an LR scheduler made before the load would
-        # keep the old ones. Keep the same objects, with the loaded values.
-        opt = self.optimizer
-        groups, per_param = opt.param_groups, opt.state
-        opt.load_state_dict(state)
-        for old, new in zip(groups, opt.param_groups, strict=True):
-            old.update(new)
-        per_param.clear()
-        per_param.update(opt.state)
-        opt.param_groups, opt.state = groups, per_param
+        load_keeping_objects(self.optimizer, state)
 
     def model_loaded(self) -> None:
         """The local parameters were overwritten (a state dict was loaded) on every rank."""
@@ -405,11 +386,20 @@ class Strategy(abc.ABC):
         by the sum of the counts.
         """
         if self._samples is None:
-            return 1.0 / self.world_size, False
+            divisor = self.world_size if self._join is None else self._join.divisor
+            return 1.0 / divisor, False
         n, total = self._samples
         if total is not None:
             return n / total, False
         return float(n), True
+
+    def _used_anywhere(self) -> list[bool]:
+        """Per parameter of :attr:`params`: whether some rank used it since the last
+        synchronising backward. One small all-reduce: call it on every rank, from
+        :meth:`_finish_backward` (the flags are reset when it returns)."""
+        flags = torch.tensor([1.0 if id(p) in self._used else 0.0 for p in self.params])
+        self.runtime.all_reduce_sum(flags, where="which parameters some rank used")
+        return [bool(f > 0) for f in flags]
 
     def _check_counts(self, samples: int, global_samples: int) -> None:
         if samples < 0 or global_samples <= 0 or samples > global_samples:
@@ -418,33 +408,24 @@ class Strategy(abc.ABC):
                 f"got samples={samples}, global_samples={global_samples}"
             )
 
-    def _broadcast_from_rank0(self, model: torch.nn.Module) -> None:
-        """Give every replica rank 0's parameters and floating-point buffers."""
-        tensors = [t.data for t in model.parameters()] + list(model.buffers())
-        tensors = [t for t in tensors if t.is_floating_point()]
-        if self.runtime.world_size == 1 or not tensors:
-            return
-        flat = torch.cat([t.reshape(-1).float() for t in tensors])
-        self._wait(dist.broadcast(flat, src=0, async_op=True), "broadcast")
-        offset = 0
-        for t in tensors:
-            t.copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
-
     def _wait(self, work: Any, operation: str) -> None:
         """Bounded wait on a c10d work item; failures name the rank(s) responsible."""
         self.runtime.wait(work, operation, where=f"step {self.steps} of strategy {self.name!r}")
 
 
-def unscale_tensors(tensors: list[torch.Tensor], inv_scale: float) -> bool:
-    """Multiply ``tensors`` in place by ``inv_scale``; True if any holds inf or NaN.
+def load_keeping_objects(opt: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """``opt.load_state_dict(state)`` keeping its group list, group dicts and state dict.
 
-    torch's own kernel (the one ``torch.amp.GradScaler`` uses), so the bits
-    match a single-process run under torch's scaler.
+    torch's load replaces them: the prepared optimizer and an LR scheduler made
+    before the load would keep the old ones. Same objects, loaded values.
     """
-    if not tensors:
-        return False
-    found = torch.zeros(1, dtype=torch.float32, device=tensors[0].device)
-    inv = torch.full((1,), inv_scale, dtype=torch.float32, device=tensors[0].device)
-    torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, inv)
-    return bool(found.item() > 0)
+    groups, per_param = opt.param_groups, opt.state
+    opt.load_state_dict(state)
+    for old, new in zip(groups, opt.param_groups, strict=True):
+        old.update(new)
+    per_param.clear()
+    per_param.update(opt.state)
+    opt.param_groups, opt.state = groups, per_param
+
+
+__all__ = ["Closure", "Optimizers", "Strategy", "load_keeping_objects", "unscale_tensors"]

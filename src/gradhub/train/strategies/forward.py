@@ -1,0 +1,103 @@
+"""The forward side of DDP's surface, for every strategy: buffers, ``join()``, comm hooks.
+
+Set-up gives every rank rank 0's parameters (frozen ones too) and buffers
+(every dtype). Before a forward that follows a forward with grad enabled
+and sync on, buffers are broadcast from rank 0 (DDP's
+``broadcast_buffers=True``); :class:`~gradhub.train.ddp_options.DDPOptions`
+turns either off.
+``join()`` (:mod:`.join`) for strategies that set :attr:`supports_join`;
+``register_comm_hook`` where :meth:`register_comm_hook` is overridden.
+Elsewhere both are a :class:`~gradhub.errors.MisuseError` at the call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+
+from gradhub.errors import MisuseError
+from gradhub.runtime import Runtime
+from gradhub.train.ddp_options import DDPOptions
+from gradhub.train.strategies.join import Join
+from gradhub.train.strategies.replicas import broadcast_tensors
+
+
+class ForwardSide:
+    """The forward-side part of :class:`~gradhub.train.strategies.base.Strategy`."""
+
+    name: ClassVar[str]
+    supports_join: ClassVar[bool] = False
+    """Whether ``model.join()`` works (:meth:`_shadow_sync` is implemented)."""
+    model: torch.nn.Module | None
+    ddp: DDPOptions
+    sync: bool
+    _join: Join | None
+    _forward_param_sync: bool
+    _sync_at_forward: bool | None
+
+    @property
+    def runtime(self) -> Runtime:
+        raise NotImplementedError
+
+    @property
+    def world_size(self) -> int:
+        raise NotImplementedError
+
+    def _wait(self, work: Any, operation: str) -> None:
+        raise NotImplementedError
+
+    def join(self, **options: bool) -> Join:
+        """``model.join()`` (see :mod:`.join`)."""
+        if not self.supports_join:
+            raise MisuseError(
+                f"join() is not available under strategy {self.name!r}: a step there is "
+                "a collective a rank without data cannot shadow\n- help: use "
+                "strategy='allreduce', or give every rank the same number of batches "
+                "(DistributedSampler(drop_last=True))"
+            )
+        return Join(self, **options)
+
+    def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
+        """DDP's ``register_comm_hook``; only ``allreduce`` takes one."""
+        raise MisuseError(
+            f"register_comm_hook is not available under strategy {self.name!r}\n- help: "
+            "pass compress='fp16' or 'bf16' (or 'powersgd' under allreduce) to gradhub.prepare"
+        )
+
+    def before_forward(self) -> None:
+        """The prepared model's forward starts: join's notice, buffers from rank 0."""
+        buffers = self._forward_param_sync and self.ddp.sync_buffers_at_forward
+        buffers = buffers and bool(self._buffers())
+        src = 0
+        if self._join is not None:
+            src = self._join.notify(torch.is_grad_enabled() and self.sync, buffers)
+        if buffers and self.world_size > 1:
+            self._broadcast(self._buffers(), src)
+
+    def after_forward(self) -> None:
+        """The prepared model's forward ended: remember whether it syncs (DDP's rule)."""
+        grad = torch.is_grad_enabled()
+        self._forward_param_sync = grad and self.sync
+        if grad:
+            self._sync_at_forward = self.sync
+
+    def _broadcast_from_rank0(self, model: torch.nn.Module) -> None:
+        """Give every replica rank 0's parameters (frozen ones too) and buffers."""
+        tensors = [p.data for p in model.parameters()]
+        if self.ddp.sync_buffers_at_setup:
+            tensors += [b for b in model.buffers()]
+        if self.runtime.world_size > 1:
+            self._broadcast(tensors, 0)
+
+    def _buffers(self) -> list[torch.Tensor]:
+        return [] if self.model is None else list(self.model.buffers())
+
+    def _broadcast(self, tensors: list[torch.Tensor], src: int) -> None:
+        broadcast_tensors(tensors, src, self._wait)
+
+    def _shadow_sync(self) -> None:
+        """A joined rank's part in one synchronising backward of the others
+        (zero gradients, weight 0); only where :attr:`supports_join`."""
+        raise NotImplementedError
