@@ -10,11 +10,11 @@ is used nowhere.
 from __future__ import annotations
 
 import io
+import time
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -130,7 +130,7 @@ def job(rank: int, world: int, start: bytes) -> dict[str, Any]:
     with gradhub.init(timeout=60) as runtime:
         out: dict[str, Any] = {"torch clip": _train(rank, runtime, "torch")}
         out["gradhub clip"] = _train(rank, runtime, "gradhub")
-        out["scaler"] = {}  # TEMP _scaled(rank, runtime)
+        out["scaler"] = _scaled(rank, runtime)
         out["bf16 wire"] = _grads_on_the_wire(rank, runtime)
         out["bf16 parameters"] = _bf16(rank, runtime)
         out["optimizers"] = {
@@ -167,6 +167,11 @@ def _train(rank: int, runtime: Any, clip: str) -> dict[str, Any]:
                 # step 2's backward (where it waits for rank 0 in a collective).
                 out["state at 2"] = to_bytes((model.state_dict(), opt.state_dict()))
         out["final state"] = to_bytes((model.state_dict(), opt.state_dict()))  # every rank
+        if rank == 0:
+            # imagenet's last checkpoint: rank 0 alone, after rank 1 is done (its
+            # close answers on until every rank has closed)
+            time.sleep(0.3)
+            out["after close"] = to_bytes(opt.state_dict())
     return out
 
 
@@ -310,24 +315,17 @@ def _other_strategy(rank: int, runtime: Any, final: bytes) -> list[list[np.ndarr
 
 
 def _responder(rank: int, runtime: Any) -> dict[str, Any]:
-    """A 9 MiB answer (chunks under the store's 8 MiB limit), then a closed rank
-    that does not answer: a timeout naming it."""
+    """A 9 MiB answer (chunks under the store's 8 MiB limit); then a rank that
+    runs no responder: a timeout naming it."""
     payload = bytes(range(256)) * (9 << 12)  # 9 MiB
-    prefix = "test/responder/"
-    responder = ShardResponder(runtime.store, prefix, rank, 2, 2.0, lambda: payload)
     out: dict[str, Any] = {}
-    try:
+    with ShardResponder(runtime.store, "test/answer/", rank, 2, 30.0, lambda: payload) as r:
         if rank == 0:
-            out["answer"] = responder.request("state_dict") == {1: payload}
-        dist.barrier()
-        if rank == 1:
-            responder.close()
-        dist.barrier()
-        if rank == 0:
+            out["answer"] = r.request("state_dict") == {1: payload}
+    if rank == 0:
+        with ShardResponder(runtime.store, "test/silent/", rank, 2, 2.0, lambda: b"") as r:
             try:
-                responder.request("optimizer.state_dict()")
+                r.request("optimizer.state_dict()")
             except CollectiveTimeoutError as exc:
                 out["timeout"] = (list(exc.missing_ranks), str(exc))
-    finally:
-        responder.close()
     return out

@@ -28,14 +28,22 @@ Decisions:
   in ``store.wait`` (no polling); ``close`` wakes it with a stop request.
 - Requests to one rank are numbered by a store counter, so requests from
   several ranks at once (every rank checkpointing) are served in turn.
+- A rank keeps answering after it is done: ``close`` (and, for a script that
+  never closes its model, the interpreter's exit) waits until every rank has
+  closed, bounded by the timeout, so rank 0's checkpoint after the last step
+  (imagenet's, while the other ranks exit) gets every piece. A rank that is
+  failing (``close`` while an exception propagates, or an exit by an
+  uncaught exception) does not wait: its failure reaches the launcher at once.
 - Keys live under ``gradhub/sharded/<n>/``, ``n`` agreed at set-up, and the
   requester deletes what it read.
 """
 
 from __future__ import annotations
 
+import atexit
 import io
 import logging
+import sys
 import threading
 from collections.abc import Callable
 from datetime import timedelta
@@ -217,6 +225,7 @@ class ShardResponder:
             target=self._run, name=f"gradhub-shard-responder-{rank}", daemon=True
         )
         self._thread.start()
+        atexit.register(self._at_exit)
 
     # the requesting side (the caller's thread) -----------------------------------
 
@@ -289,10 +298,52 @@ class ShardResponder:
         store.set(key, str(len(chunks)))
 
     def close(self) -> None:
-        """Stop the responder thread (it finishes a request it is answering). Idempotent."""
+        """Answer on until every rank has closed (or the timeout), then stop the
+        thread. Idempotent. Called while an exception propagates (a failing
+        rank), it stops at once."""
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self._at_exit)
+        if sys.exc_info()[1] is None:
+            self._await_peers()
+        self._stop()
+
+    def _at_exit(self) -> None:
+        # A script that never closes the model (DDP scripts do not): a rank that
+        # is done still answers a peer's later state_dict() (imagenet saves on
+        # rank 0 after the last epoch) unless it dies of an uncaught exception.
+        if not self._closed:
+            self._closed = True
+            if getattr(sys, "last_value", None) is None:
+                self._await_peers()
+            self._stop()
+
+    def _await_peers(self) -> None:
+        """Mark this rank closed; wait (answering) until every rank is."""
+        store = self._requests
+        try:
+            store.set(f"closed/{self.rank}", "1")
+            if store.add("closed", 1) >= self.world_size:
+                store.set("all closed", "1")
+                return
+            store.wait(["all closed"], timedelta(seconds=self.timeout))
+        except RuntimeError as exc:  # a timeout, or the store's host exited
+            try:
+                late = [r for r in range(self.world_size) if not store.check([f"closed/{r}"])]
+            except RuntimeError:
+                late = []
+            if late:
+                log.warning(
+                    "[rank %d] stops answering for the sharded optimizer state although "
+                    "rank(s) %s did not close within %gs (%s)",
+                    self.rank,
+                    ", ".join(map(str, late)),
+                    self.timeout,
+                    exc,
+                )
+
+    def _stop(self) -> None:
         self._stopping = True
         try:
             ticket = self._requests.add(f"tickets/{self.rank}", 1)
