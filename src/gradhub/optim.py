@@ -25,8 +25,14 @@ Decisions:
   scheduler) are set on the group after construction, so a scheduler created
   before the spec was taken still works on the rebuilt optimizer.
 - Hyperparameters must be JSON values (numbers, booleans, strings, None and
-  lists/tuples of them); a tensor learning rate is converted with ``float``.
-  Tuples (Adam's ``betas``) come back as tuples.
+  lists/tuples of them, nested too); a one-element tensor (a tensor learning
+  rate, a tensor in Adam's ``betas``) is converted with ``float``: a server
+  and a shard hold it as a Python number. Every list comes back as a tuple
+  (Adam's ``betas``, Rprop's ``etas``, Adafactor's ``eps``), at any depth.
+- :func:`wire_hyperparameters` is the one conversion, used for a spec and
+  for the hyperparameters a ``ps-*`` worker sends with a push when the
+  script changed them mid-run (any type above, not only numbers), and
+  :func:`from_wire` the one way back (JSON lists to tuples).
 """
 
 from __future__ import annotations
@@ -75,7 +81,8 @@ def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
     return cls
 
 
-def _json_value(key: str, value: Any) -> Any:
+def wire_value(key: str, value: Any) -> Any:
+    """``value`` of hyperparameter ``key`` as a JSON value (see the module docstring)."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise TypeError(f"hyperparameter {key!r} is a tensor of {value.numel()} elements")
@@ -87,15 +94,23 @@ def _json_value(key: str, value: Any) -> Any:
             raise ValueError(f"hyperparameter {key!r} is {value}; it must be finite")
         return value
     if isinstance(value, list | tuple):
-        return tuple(_json_value(key, v) for v in value)
+        return tuple(wire_value(key, v) for v in value)
     raise TypeError(
         f"hyperparameter {key!r} of type {type(value).__name__} cannot be sent to a server; "
         "use numbers, booleans, strings or tuples of them"
     )
 
 
-def _hyperparameters(group: Mapping[str, Any]) -> Hyperparameters:
-    return {k: _json_value(k, v) for k, v in group.items() if k != "params"}
+def wire_hyperparameters(group: Mapping[str, Any]) -> Hyperparameters:
+    """Every hyperparameter of a ``param_group`` (all keys but ``params``) as JSON values."""
+    return {k: wire_value(k, v) for k, v in group.items() if k != "params"}
+
+
+def from_wire(value: Any) -> Any:
+    """A hyperparameter read back from JSON: lists become tuples, at any depth."""
+    if isinstance(value, list | tuple):
+        return tuple(from_wire(v) for v in value)
+    return value
 
 
 @dataclass(frozen=True)
@@ -113,7 +128,7 @@ class OptimizerSpec:
         object.__setattr__(self, "name", cls.__name__)
         if not self.groups:
             raise ValueError("an OptimizerSpec needs at least one parameter group")
-        object.__setattr__(self, "groups", tuple(_hyperparameters(g) for g in self.groups))
+        object.__setattr__(self, "groups", tuple(wire_hyperparameters(g) for g in self.groups))
 
     @classmethod
     def of(
@@ -209,7 +224,8 @@ class OptimizerSpec:
         """The spec :meth:`to_dict` wrote."""
         if not isinstance(data, Mapping) or set(data) != {"name", "groups"}:
             raise ValueError(f"an optimizer spec is {{'name': ..., 'groups': [...]}}, got {data!r}")
-        return cls(str(data["name"]), tuple(dict(g) for g in data["groups"]))
+        groups = tuple({k: from_wire(v) for k, v in dict(g).items()} for g in data["groups"])
+        return cls(str(data["name"]), groups)
 
 
 def _check_torch_class(cls: type) -> None:

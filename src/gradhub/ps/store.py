@@ -48,7 +48,7 @@ from gradhub.errors import (
     ShapeMismatchError,
     UnknownParameterError,
 )
-from gradhub.optim import OptimizerFactory, OptimizerSpec
+from gradhub.optim import OptimizerFactory, OptimizerSpec, from_wire
 from gradhub.ps.base import check_like
 
 __all__ = ["OptimizerFactory", "ParameterStore", "describe", "same_optimizer"]
@@ -114,7 +114,7 @@ def _plain_sgd(optimizer: torch.optim.Optimizer, value: torch.Tensor) -> bool:
 
 
 def _hyper_value(value: Any) -> Any:
-    return tuple(value) if isinstance(value, list) else value  # JSON lists: Adam's betas
+    return from_wire(value)  # JSON lists, at any depth, to tuples: Adam's betas
 
 
 class ParameterStore:
