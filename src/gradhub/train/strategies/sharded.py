@@ -81,10 +81,16 @@ Decisions:
   parameters counted) and may be called on one rank alone: the other ranks'
   pieces come through their responder threads
   (:mod:`.sharded_state`), never a collective, within the group's
-  timeout. ``load_state_dict`` (any time) and ``model.load_state_dict``
-  (after ``prepare``) take a plain optimizer's or model's state, of a job
-  of any world size or strategy; each rank keeps its part, no communication.
-- Parameters and buffers come from rank 0 at set-up.
+  timeout. A rank that is done (``close``, or the end of a script that
+  never closes its model) answers on until every rank is done, bounded by
+  the timeout, so rank 0's checkpoint after the last step gets every piece.
+  ``load_state_dict`` (any time) and ``model.load_state_dict`` (after
+  ``prepare``) take a plain optimizer's or model's state, of a job of any
+  world size or strategy; each rank keeps its part, no communication.
+- Parameters and buffers come from rank 0 at set-up; buffers follow DDP's
+  ``broadcast_buffers`` at every forward (the common strategy machinery).
+- Not supported: ``join()`` (uneven inputs) and ``register_comm_hook``:
+  each says what to use instead at the call.
 """
 
 from __future__ import annotations
