@@ -26,8 +26,9 @@ Decisions:
   a synchronising ``backward`` returns (``.grad`` holds the combined gradient,
   the same bits on every rank), so torch's own
   ``torch.nn.utils.clip_grad_norm_(model.parameters(), c)`` and
-  ``torch.amp.GradScaler`` work as written too. Under ``ps-async`` and ``ps-ssp`` it clips **per worker**: each
-  worker's gradient by its own norm, before its push. The servers apply each
+  ``torch.amp.GradScaler`` work as written too. Under ``ps-async`` and
+  ``ps-ssp`` it clips **per worker**: each worker's gradient by its own
+  norm, before its push. The servers apply each
   push on its own, against whatever the other workers pushed before, so no
   combined gradient of one step exists to take a norm of, and waiting for
   the others to agree on one would make the updates synchronous. Every
