@@ -83,6 +83,13 @@ class OptimizerMismatchError(GradhubError, ValueError):
     the message names both (class and hyperparameters)."""
 
 
+class UnsupportedByStrategyError(GradhubError, TypeError):
+    """The model or optimizer is one the chosen strategy cannot train as DDP would
+    (under ``sharded``: an optimizer whose update is not elementwise per tensor,
+    several optimizers, 16-bit parameters); the message names the strategy to
+    use instead."""
+
+
 class BindError(GradhubError, OSError):
     """A server could not bind its address (in use, not an address of this host)."""
 

@@ -46,6 +46,8 @@ from typing import Any
 
 import torch
 
+from gradhub.errors import UnsupportedByStrategyError
+
 OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 """A callable that builds an optimizer over a list of tensors."""
 
@@ -233,8 +235,8 @@ def _check_torch_class(cls: type) -> None:
         not issubclass(cls, torch.optim.Optimizer)
         or _torch_optimizers().get(cls.__name__) is not cls
     ):
-        raise TypeError(
+        raise UnsupportedByStrategyError(
             f"{cls.__module__}.{cls.__qualname__} is not a torch.optim optimizer, so it cannot "
-            "be rebuilt on a parameter server or over a shard; use a torch.optim class "
-            "(SGD, Adam, AdamW, ...) or the 'allreduce' strategy, which steps your own optimizer"
+            "be rebuilt on a parameter server or over a shard\n- help: use a torch.optim class "
+            "(SGD, Adam, AdamW, ...), or strategy='allreduce', which steps your own optimizer"
         )

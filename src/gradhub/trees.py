@@ -54,7 +54,10 @@ def all_finite(t: torch.Tensor) -> bool:
     at most ``_SMALL`` elements is checked in Python instead: for a few
     elements three torch calls cost several times the check itself.
     """
-    if t.numel() <= _SMALL:
+    n = t.numel()
+    if n == 1:
+        return math.isfinite(t.item())  # a scalar or a one-element push: one call
+    if n <= _SMALL:
         return all(map(math.isfinite, t.reshape(-1).tolist()))
     if bool(torch.isfinite(t.sum())):
         return True

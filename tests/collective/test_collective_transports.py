@@ -5,11 +5,14 @@ side by side on one process group (a wrapper each), plus a 1-rank group per
 rank (the single-rank transport), and checks what the interface promises:
 broadcast gives the root's bits for any dtype and size (empty included),
 ``Transport.all_reduce`` gives the bits of the public reduce-scatter +
-all-gather, and a group takes the transport it asked for.
+all-gather, and a group takes the transport it asked for. A second job kills
+the shared-memory leader during set-up: its peer names it.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 from typing import Any
 
 import pytest
@@ -17,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from gradhub import codecs
-from gradhub.collective import CollectiveGroup, all_gather, local_group, reduce_scatter
-from gradhub.errors import ClosedError
+from gradhub.collective import CollectiveGroup, all_gather, all_reduce, local_group, reduce_scatter
+from gradhub.errors import ClosedError, WorkerFailedError
 from gradhub.transports import Chunking, checks_in, chosen, select
 from gradhub.transports.shm import supported
 from harness import free_port, run_ranks
@@ -115,3 +118,40 @@ def test_every_transport_keeps_the_interface() -> None:
             "gloo/chosen": "gloo",
             "single/chosen": "single",
         }
+
+
+def leader_dies_job(rank: int, world_size: int, port: int) -> str:
+    torch.set_num_threads(1)
+    # The store lives in the test process, so the leader's death leaves it standing.
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    group = CollectiveGroup(
+        dist.group.WORLD, store=store, timeout=20, owns_process_group=True, transport="shm"
+    )
+    if rank == 0:  # the shared-memory leader: killed after it listens, before it hands out fds
+        from gradhub.transports import shm_setup
+
+        def die(*args: object) -> int:
+            os.kill(os.getpid(), signal.SIGKILL)
+            return -1
+
+        shm_setup.new_segment = die  # type: ignore[assignment] (this process only)
+    try:
+        all_reduce(torch.ones(10), group=group).wait()
+    except WorkerFailedError as exc:
+        return str(exc)
+    finally:
+        group.close()
+    return "no error"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not supported(), reason="needs memfd, pidfd and futex")
+def test_a_leader_lost_during_set_up_is_named() -> None:
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False)
+    results = run_ranks(leader_dies_job, 2, port, timeout=120, check=False)
+    del store
+    assert results[0].exitcode == -signal.SIGKILL
+    assert results[1].ok, results[1].error
+    assert "rank 0" in results[1].value and "set-up" in results[1].value, results[1].value

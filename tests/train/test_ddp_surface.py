@@ -59,6 +59,12 @@ def test_unused_everywhere_keeps_grad_none_and_is_not_moved(checks: list[Any]) -
 
 
 @pytest.mark.slow
+def test_torch_powersgd_hook_runs_and_replicas_agree(checks: list[Any]) -> None:
+    for seen in checks:
+        assert seen["powerSGD_hook"] is True, seen["powerSGD_hook"]
+
+
+@pytest.mark.slow
 def test_join_can_throw_on_every_rank_naming_who_ran_out(checks: list[Any]) -> None:
     for seen in checks:
         assert seen["join throw"].startswith("rank(s) 1 ran out of inputs"), seen["join throw"]
@@ -74,7 +80,7 @@ def test_bf16_parameters_sum_in_fp32_rounded_once(checks: list[Any]) -> None:
 def test_rank0_alone_checkpoints_without_waiting(checks: list[Any]) -> None:
     seen = checks[0]["rank 0 alone"]
     assert isinstance(seen, dict), seen
-    assert seen["loads"] and seen["seconds"] < 0.9  # rank 1 sleeps 1 s meanwhile
+    assert seen["loads"] and seen["seconds"] < 2.5  # rank 1 sleeps 3 s meanwhile
     for s in checks:
         assert s["rank 0 alone"]["zero_grad"] == (True, True)
 

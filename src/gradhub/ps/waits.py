@@ -50,6 +50,9 @@ class Waits:
     def __len__(self) -> int:
         return sum(len(v) for v in self._by_key.values())
 
+    def __bool__(self) -> bool:  # asked on every pass of the server's loop: no count
+        return any(self._by_key.values())
+
     def held_keys(self) -> list[str]:
         return list(self._by_key)
 

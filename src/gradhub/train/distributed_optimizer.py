@@ -11,9 +11,10 @@ parameters (``allreduce``: the script's optimizer steps on every rank;
   the next step under every strategy.
 - ``state_dict()`` is the full optimizer state in the single-process
   optimizer's own format (under ``sharded`` assembled from every rank's
-  slice; under ``ps-*`` fetched from the servers, where it lives; call it on
-  every rank), loadable by a plain optimizer or a job of any world size;
-  ``load_state_dict()`` takes such a dict (a collective as well).
+  slice; under ``ps-*`` fetched from the servers, where it lives), loadable
+  by a plain optimizer or a job of any world size. Rank 0 alone may call it
+  (a checkpoint written by rank 0): it never waits for the other ranks to
+  call it too. ``load_state_dict()`` takes such a dict on every rank.
 - ``zero_grad(set_to_none=True)`` is torch's own, over the same groups:
   ``None`` gradients, or zeros in place (``set_to_none=False``; under
   ``allreduce`` the zeros land in the bucket ``.grad`` is a view of).

@@ -21,12 +21,14 @@ Decisions:
   group that is already set up). The model is moved to ``runtime.device``.
 - Every rank must call ``prepare`` with the same model architecture; rank 0's
   initial parameters are used everywhere.
-- ``clip_grad_norm_`` clips by the norm of the combined gradient
-  (``allreduce``: the gradients are combined when ``backward`` returns, so
-  ``torch.nn.utils.clip_grad_norm_`` works too; ``sharded``: computed from the
-  slices; ``ps-sync``: the workers' gradients summed once, clipped, pushed
-  in shares). Under ``ps-async`` and ``ps-ssp`` it clips **per worker**: each
-  worker's gradient by its own norm, before its push. The servers apply each
+- ``clip_grad_norm_`` clips by the norm of the combined gradient. Under
+  ``allreduce``, ``sharded`` and ``ps-sync`` the gradients are combined when
+  a synchronising ``backward`` returns (``.grad`` holds the combined gradient,
+  the same bits on every rank), so torch's own
+  ``torch.nn.utils.clip_grad_norm_(model.parameters(), c)`` and
+  ``torch.amp.GradScaler`` work as written too. Under ``ps-async`` and
+  ``ps-ssp`` it clips **per worker**: each worker's gradient by its own
+  norm, before its push. The servers apply each
   push on its own, against whatever the other workers pushed before, so no
   combined gradient of one step exists to take a norm of, and waiting for
   the others to agree on one would make the updates synchronous. Every

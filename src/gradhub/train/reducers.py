@@ -225,14 +225,19 @@ class CommHook:
                 f"the comm hook returned {type(future).__name__}, not a torch.futures.Future"
                 "\n- help: return the future of an async collective, as DDP's hooks do"
             )
-        work = None if tail is None else dist.all_reduce(tail, async_op=True)
-        return _HookWork(future, bucket.buffer(), work)
+        return _HookWork(future, bucket.buffer(), tail)
 
 
 class _HookWork:
-    """Waits for a comm hook's future (bounded), then puts its tensor in the bucket."""
+    """Waits for a comm hook's future (bounded), then puts its tensor in the bucket.
 
-    def __init__(self, future: Any, buffer: torch.Tensor, tail: Any) -> None:
+    The tail's all-reduce starts only once the hook's future is done: a hook
+    may chain collectives from its future's callbacks (PowerSGD does), and
+    starting ours meanwhile would order the collectives differently on
+    different ranks.
+    """
+
+    def __init__(self, future: Any, buffer: torch.Tensor, tail: torch.Tensor | None) -> None:
         self._future, self._buffer, self._tail = future, buffer, tail
         self._done = threading.Event()
         future.add_done_callback(lambda _: self._done.set())
@@ -246,7 +251,8 @@ class _HookWork:
         if tensor.data_ptr() != self._buffer.data_ptr():
             self._buffer.copy_(tensor.reshape(-1))
         if self._tail is not None:
-            return bool(self._tail.wait(timeout) if timeout is not None else self._tail.wait())
+            work = dist.all_reduce(self._tail, async_op=True)
+            return bool(work.wait(timeout) if timeout is not None else work.wait())
         return True
 
 

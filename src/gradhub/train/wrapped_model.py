@@ -104,9 +104,21 @@ class PreparedModel(torch.nn.Module):
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
-        """Load into the original module (same keys); every rank must load the same values."""
+        """Load into the original module (same keys); every rank must load the same values.
+
+        A checkpoint written from a DDP wrapper (every key under ``module.``) loads
+        too, as it would into that wrapper: the prefix is taken off.
+        """
         if assign:
             raise ValueError("assign=True would replace the parameters the strategy holds")
+        keys = list(state_dict)
+        own = self.module.state_dict(keep_vars=True)
+        if (
+            keys
+            and all(k.startswith("module.") for k in keys)
+            and not any(k.startswith("module.") for k in own)
+        ):
+            state_dict = {k[len("module.") :]: v for k, v in state_dict.items()}
         with torch.no_grad():
             result = self.module.load_state_dict(state_dict, strict=strict)
         self._gradhub_strategy.model_loaded()

@@ -154,13 +154,13 @@ def _decode(
     if len(frames) not in (1, 4, 5):
         raise ProtocolError(f"expected 1, 4 or 5 frames, got {len(frames)}")
     if len(frames) == 1:
-        views = _unpack(memoryview(frames[0]).cast("B"))
+        views, fields = _unpack(memoryview(frames[0]).cast("B"))  # the header read once
     else:
         views = [memoryview(f).cast("B") for f in frames]
-    head = views[0]
-    if head.nbytes != HEADER_SIZE:
-        raise ProtocolError(f"header is {head.nbytes} bytes, expected {HEADER_SIZE}")
-    fields = _HEADER.unpack(head)
+        head = views[0]
+        if head.nbytes != HEADER_SIZE:
+            raise ProtocolError(f"header is {head.nbytes} bytes, expected {HEADER_SIZE}")
+        fields = _HEADER.unpack(head)
     magic, version, op, flags, status, dcode, ccode, ndim, key_len = fields[:9]
     worker_id, priority, request_id, session, seq, incarnation, aux, payload_len = fields[9:17]
     dims = fields[17:]
@@ -253,12 +253,13 @@ def _decode(
     return Message(header, key, payload, views[2].tobytes())
 
 
-def _unpack(frame: memoryview) -> list[memoryview]:
+def _unpack(frame: memoryview) -> tuple[list[memoryview], tuple[Any, ...]]:
     """The views of a packed frame as separate frames: header, key, meta, payload[, mac]
-    (sizes from the header; what does not add up is left for the checks to refuse)."""
+    (sizes from the header; what does not add up is left for the checks to refuse),
+    and the header's fields."""
     if frame.nbytes < HEADER_SIZE:
         raise ProtocolError(f"packed frame of {frame.nbytes} bytes is shorter than a header")
-    fields = _HEADER.unpack(frame[:HEADER_SIZE])
+    fields = _HEADER.unpack_from(frame)
     flags, key_len, payload_len = fields[3], fields[8], fields[16]
     if not flags & FLAG_PACKED:
         raise ProtocolError("one frame, but the message is not packed")
@@ -273,7 +274,7 @@ def _unpack(frame: memoryview) -> list[memoryview]:
     for n in sizes[: 5 if mac_len else 4]:
         views.append(frame[start : start + n])
         start += n
-    return views
+    return views, fields
 
 
 def peek_header(frames: Sequence[Any]) -> Header | None:

@@ -76,7 +76,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from gradhub.errors import ClosedError, MisuseError, StateError
+from gradhub.errors import ClosedError, MisuseError, StateError, UnsupportedByStrategyError
 from gradhub.runtime import Runtime
 from gradhub.train.ddp_options import DDPOptions
 from gradhub.train.strategies.forward import ForwardSide
@@ -190,7 +190,7 @@ class Strategy(LossScaling, ForwardSide, abc.ABC):
             if not isinstance(opt, torch.optim.Optimizer):
                 raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(opt)!r}")
         if len(many) != 1 and not self.several_optimizers:
-            raise ValueError(
+            raise UnsupportedByStrategyError(
                 f"strategy {self.name!r} takes one optimizer, got {len(many)}\n- help: one "
                 "optimizer with several param_groups, or strategy='allreduce'"
             )

@@ -1,54 +1,100 @@
 """``sharded``: synchronous training on AllReduceParameter, optimizer state sharded.
 
-BigDL's scheme with ZeRO-1's memory saving. The model's parameters become
-views of one flat fp32 vector, laid out group by group in the order of the
-optimizer's parameter groups; rank r of P owns slice r of it. Per step
-(the prepared optimizer's ``step``):
+BigDL's scheme with ZeRO-1's memory saving, held to DDP's behaviour line by
+line. The model's parameters become views of one flat fp32 vector, laid out
+group by group in the order of the optimizer's parameter groups; rank r of P
+owns slice r of it.
 
-1. the flat gradient, each rank's multiplied by its weight (see
-   :mod:`.base`), is reduce-scattered (optionally compressed on the wire:
-   ``compress="bf16"`` etc.) so each rank holds the sum of its own slice.
-   As under ``allreduce``, this starts during backward: the flat gradient is
-   cut into buckets of about ``bucket_mb`` megabytes, in the order backward
-   produces the gradients (the last parameters first), and a post-accumulate
-   hook writes each gradient into its bucket; a full bucket's reduce-scatter
-   is started at once on the group's communication thread
+A synchronising backward (outside ``no_sync()``, or with
+``model.require_backward_grad_sync`` true):
+
+1. each parameter's accumulated ``.grad``, multiplied by this rank's weight
+   (see :mod:`.base`), is written into a flat gradient vector, cut into
+   buckets of about ``bucket_mb`` megabytes in the order backward produces
+   them (the last parameters first); a full bucket's reduce-scatter starts at
+   once on the group's communication thread
    (:meth:`~gradhub.collective.AllReduceParameter.put_gradient_segment`),
-   buckets strictly in the same order on every rank. Without compression the
-   sums are the same bits as one reduce-scatter of the whole vector;
-2. the owner steps the slice optimizer on its slice only, so momentum or
-   Adam state exists once across the job instead of once per rank;
-3. the updated slices are all-gathered straight into the flat vector the
-   parameters view.
+   buckets strictly in the same order on every rank, optionally compressed
+   on the wire (``compress="bf16"`` etc.). Each rank ends with the sum of
+   its own slice: without compression the same bits as one reduce-scatter
+   of the whole vector;
+2. when backward ends, the summed slices are all-gathered into that flat
+   vector and every used parameter's ``.grad`` becomes a view of it. So
+   after backward ``p.grad`` holds the full combined gradient, the same bits
+   on every rank, as under DDP (torch's ``ZeroRedundancyOptimizer`` beside
+   DDP keeps full gradients too and shards only the optimizer state).
+
+The prepared optimizer's ``step``: the slice optimizer steps this rank's
+pieces of the parameters with this rank's part of whatever ``.grad`` then
+holds, so momentum or Adam state exists once across the job instead of once
+per rank; then the updated slices are all-gathered straight into the flat
+vector the parameters view.
 
 Decisions:
-- The script's optimizer is described by an :class:`~gradhub.optim.OptimizerSpec`
-  (its class and every group's hyperparameters); the slice optimizer has one
-  group per group of the script's (the part of it this rank owns). Before
-  every step the live hyperparameters of the script's groups (what an LR
-  scheduler or the user set) are copied onto the slice optimizer's groups.
-  The script's optimizer itself is never stepped and keeps no state.
-- ``clip_grad_norm_`` reduce-scatters at once, computes the global norm from
-  the slices (one scalar all-reduce) and scales the slice; ``step`` then
-  goes on from there.
-- The optimizer's ``state_dict()`` is the full, unsharded state in the
-  single-process optimizer's format (one all-reduce per state tensor; a
-  collective: call it on every rank); ``load_state_dict`` takes such a dict
-  from a job of any world size or a plain optimizer, and keeps this rank's part.
-- Model buffers are broadcast from rank 0 at set-up, not per step.
-- Loss scaling (:class:`gradhub.GradScaler`): ``unscale_`` waits for the
-  reduce-scatter, unscales this rank's slice of the sum and all-reduces the
-  found-inf flag over the group, so every rank skips the same steps. The
-  ``"fp16"`` wire codec saturates at +-65504; with loss scaling on, the
-  gradients travel in a non-saturating fp16 instead (an overflow on the
-  wire, of one rank's value or of a partial sum, becomes inf), so a scaled
-  gradient too large for the wire counts as found inf and is never applied
-  as a clipped value. The weights' wire keeps the saturating codec.
+- Full gradients in ``.grad`` rather than distributed tensors (FSDP2's way):
+  torch's own ``clip_grad_norm_(model.parameters(), c)``, ``GradScaler``
+  (``unscale_`` in place, its inf check, skipped steps) and any code that
+  reads or rewrites ``.grad`` between backward and step are right as
+  written, and the result is DDP's. The price is one more all-gather per
+  step (of the gradient, ``(P-1)/P`` of its bytes per rank) and a full
+  gradient in memory on every rank, as under DDP. ``gradhub.clip_grad_norm_``
+  is torch's clip over ``model.parameters()`` (the same bits as the
+  script's own torch line, and the same on every rank).
+- With a wire codec the gradient all-gather uses the gradient's codec too:
+  the owner's slice is encoded and every rank, the owner included, decodes
+  the same bytes, so every rank holds the same bits and the owner steps
+  with the rounded sum everyone else sees. Under loss scaling the ``"fp16"``
+  codec becomes the non-saturating one (:meth:`use_loss_scaling`): an
+  overflow on either wire is inf in ``.grad``, found by the scaler.
+- Unused parameters (DDP's ``find_unused_parameters=True``): a parameter
+  whose ``.grad`` is None on every rank when backward ends keeps ``.grad``
+  None (one small all-reduce of per-parameter flags per backward, queued
+  behind the reduce-scatters); used on some ranks only, the others count
+  as zeros. The slice optimizer holds one piece per parameter
+  (:class:`~gradhub.collective.sharded_optimizer.Piece`) and a piece whose
+  parameter has ``.grad`` None at ``step`` is not stepped: torch's optimizer
+  leaves it and its state alone (AdamW's decay too), as on one process.
+- Only optimizers whose update is elementwise per tensor
+  (:data:`~gradhub.collective.sharded_optimizer.ELEMENTWISE`: SGD, Adam,
+  AdamW, Adagrad, RMSprop, Adadelta, Adamax, NAdam, RAdam, ASGD, Rprop) are
+  stepped on slices; any other (Adafactor, Muon, LBFGS, a subclass, another
+  package's) is refused at ``prepare`` with
+  :class:`~gradhub.errors.UnsupportedByStrategyError` naming
+  ``strategy="allreduce"``, as are an optimizer that does not hold every
+  trainable parameter (several optimizers) and trainable parameters of
+  mixed dtypes.
+- 16-bit parameters (all bf16 or all fp16): the model holds 16-bit copies,
+  the slices' master weights and optimizer state are fp32 (as under mixed
+  precision with master weights, not as torch's optimizer on bf16 tensors,
+  which rounds every update to bf16); gradients are weighted and summed in
+  fp32 and ``.grad`` holds the sum rounded once to the parameters' dtype.
+  The state dict is fp32; a plain optimizer casts it on load.
+- The script's optimizer is described by an :class:`~gradhub.optim.OptimizerSpec`;
+  the slice optimizer has one group per group of the script's. Before every
+  step the live hyperparameters of the script's groups (what an LR scheduler
+  or the user set) are copied onto the slice optimizer's groups. The
+  script's optimizer itself is never stepped; state it holds at ``prepare``
+  (loaded before ``prepare``, nanoGPT's resume order) is moved into the
+  slices, and it keeps none afterwards.
+- ``optimizer.state_dict()`` is the full state in the single-process
+  optimizer's format (same indices as the script's optimizer's, frozen
+  parameters counted) and may be called on one rank alone: the other ranks'
+  pieces come through their responder threads
+  (:mod:`.sharded_state`), never a collective, within the group's
+  timeout. A rank that is done (``close``, or the end of a script that
+  never closes its model) answers on until every rank is done, bounded by
+  the timeout, so rank 0's checkpoint after the last step gets every piece.
+  ``load_state_dict`` (any time) and ``model.load_state_dict`` (after
+  ``prepare``) take a plain optimizer's or model's state, of a job of any
+  world size or strategy; each rank keeps its part, no communication.
+- Parameters and buffers come from rank 0 at set-up; buffers follow DDP's
+  ``broadcast_buffers`` at every forward (the common strategy machinery).
+- Not supported: ``join()`` (uneven inputs) and ``register_comm_hook``:
+  each says what to use instead at the call.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,10 +103,25 @@ import torch.distributed as dist
 
 from gradhub import codecs
 from gradhub._config import config_or_options
-from gradhub.collective import AllReduceParameter, ShardedOptimizer
-from gradhub.errors import MisuseError
+from gradhub.collective import AllReduceParameter, ShardedOptimizer, all_gather, all_reduce
+from gradhub.collective.sharded_optimizer import check_elementwise
+from gradhub.errors import UnsupportedByStrategyError
 from gradhub.optim import OptimizerSpec
-from gradhub.train.strategies.base import Strategy, unscale_tensors
+from gradhub.runtime import Runtime
+from gradhub.train.strategies.base import Strategy
+from gradhub.train.strategies.sharded_state import (
+    ShardResponder,
+    assemble,
+    check_groups,
+    from_bytes,
+    load_pieces,
+    per_parameter,
+    pieces_state,
+    plain_state_dict,
+    to_bytes,
+)
+
+_FLOATS = (str(torch.float32), str(torch.bfloat16), str(torch.float16))
 
 
 @dataclass(kw_only=True)
@@ -82,7 +143,7 @@ class ShardedConfig:
 
 
 class ShardedStrategy(Strategy):
-    """Reduce-scatter, owner-side optimizer step (ZeRO-1), all-gather."""
+    """Reduce-scatter, all-gather of the gradient, owner-side step (ZeRO-1), all-gather."""
 
     name = "sharded"
 
@@ -90,11 +151,14 @@ class ShardedStrategy(Strategy):
         super().__init__()
         self.config = config_or_options(ShardedConfig, config, options)
         self._groups: list[list[torch.nn.Parameter]] = []
+        self._index: list[int] = []  # per parameter of the flat vector: its state-dict index
         self._flat = torch.zeros(0)
-        self._grad = torch.zeros(0)
+        self._grad = torch.zeros(0)  # fp32: the wire's (reduce-scatter input, all-gather output)
+        self._model_grad = self._grad  # what .grad views: _grad itself, or a 16-bit copy
+        self._grad_views: list[torch.Tensor] = []
         self._arp: AllReduceParameter | None = None
         self._opt: ShardedOptimizer | None = None
-        self._reduced: torch.Tensor | None = None
+        self._responder: ShardResponder | None = None
         # buckets: (offset, numel) in the flat vector; per parameter: (bucket, offset)
         self._buckets: list[tuple[int, int]] = []
         self._slot: dict[int, tuple[int, int]] = {}
@@ -104,32 +168,104 @@ class ShardedStrategy(Strategy):
         self._next_launch = 0
         self._scale, self._by_count = 1.0, False
 
+    def setup(self, model: torch.nn.Module, optimizer: Any, runtime: Runtime) -> None:
+        """Refuse what ``sharded`` cannot train as DDP would (typed errors naming
+        ``allreduce``) before the common set-up."""
+        if isinstance(optimizer, list | tuple):
+            if len(optimizer) > 1:
+                raise UnsupportedByStrategyError(
+                    f"strategy 'sharded' shards one optimizer, got {len(optimizer)}\n- help: "
+                    "one optimizer with a parameter group per setting, or "
+                    'strategy="allreduce", which takes several optimizers'
+                )
+            optimizer = optimizer[0] if optimizer else None
+        if isinstance(optimizer, torch.optim.Optimizer):
+            self._check_supported(model, optimizer)
+        super().setup(model, optimizer, runtime)
+
     def _setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         assert optimizer is not None
-        spec = OptimizerSpec.of(optimizer)  # a custom class is a clear error here
-        if any(p.dtype != torch.float32 for p in self.params):
-            raise ValueError("strategy 'sharded' trains fp32 parameters; call model.float()")
+        spec = OptimizerSpec.of(optimizer)
+        loaded = optimizer.state_dict() if optimizer.state else None
         trainable = {id(p) for p in self.params}
+        numbering: dict[int, int] = {}  # torch's state-dict indices: every parameter, in order
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                numbering.setdefault(id(p), len(numbering))
         self._groups = [
             [p for p in g["params"] if id(p) in trainable] for g in optimizer.param_groups
         ]
         self.params = [p for g in self._groups for p in g]  # the flat vector's order
+        self._index = [numbering[id(p)] for p in self.params]
         self._broadcast_from_rank0(model)
         device = self.params[0].device
         size = sum(p.numel() for p in self.params)
         self._flat = torch.cat([p.detach().reshape(-1) for p in self.params]).to(device)
-        self._grad = torch.zeros_like(self._flat)
+        self._grad = torch.zeros(size, dtype=torch.float32, device=device)
+        sixteen = self._flat.dtype != torch.float32
+        self._model_grad = torch.zeros_like(self._flat) if sixteen else self._grad
         offset = 0
         for p in self.params:  # parameters become views of the flat vector
             p.data = self._flat[offset : offset + p.numel()].view_as(p)
+            self._grad_views.append(self._model_grad[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
         self._arp = AllReduceParameter(
             size, group=self.runtime.group, compress=self.config.compress
         )
         self._arp.init(self._flat)
-        sizes = [sum(p.numel() for p in g) for g in self._groups]
-        self._opt = ShardedOptimizer(self._arp, spec, group_sizes=sizes)
+        sizes = [[p.numel() for p in g] for g in self._groups]
+        self._opt = ShardedOptimizer(self._arp, spec, param_sizes=sizes)
+        if loaded is not None:  # state loaded into the plain optimizer before prepare
+            self._load_pieces(loaded)
+            optimizer.state.clear()
         self._build_buckets()
+        self._start_responder()  # last: a request may come as soon as it runs
+
+    def _check_supported(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        check_elementwise(optimizer, where="strategy 'sharded'")
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        if any(id(p) not in held for p in trainable):
+            raise UnsupportedByStrategyError(
+                "strategy 'sharded' shards one optimizer over every trainable parameter; "
+                "this one does not hold them all (several optimizers?)\n- help: build one "
+                "optimizer over model.parameters() (parameter groups for different "
+                'settings), or use strategy="allreduce", which takes several optimizers'
+            )
+        dtypes = sorted({str(p.dtype) for p in trainable})
+        if len(dtypes) > 1 or (dtypes and dtypes[0] not in _FLOATS):
+            raise UnsupportedByStrategyError(
+                f"strategy 'sharded' keeps one flat vector of fp32, bf16 or fp16 parameters; "
+                f"this model's trainable parameters are {', '.join(dtypes)}\n- help: give "
+                "them one of those dtypes (e.g. model.float(), and torch.autocast for "
+                '16-bit compute), or use strategy="allreduce"'
+            )
+
+    def _start_responder(self) -> None:
+        """One responder per rank, under a key prefix agreed through rank 0's counter."""
+        if self.world_size == 1:
+            return
+        rt = self.runtime
+        raw = rt.store
+        while isinstance(raw, dist.PrefixStore):
+            raw = raw.underlying_store
+        number = raw.add("gradhub/sharded/instances", 1) if rt.rank == 0 else 0
+        group = rt.group
+        rows = group.submit(
+            "sharded set-up", lambda: group.all_gather_ints([number], "sharded set-up")
+        ).wait()
+        self._responder = ShardResponder(
+            rt.store,
+            f"gradhub/sharded/{rows[0][0]}/",
+            rt.rank,
+            rt.world_size,
+            rt.timeout,
+            self._serialised_pieces,
+        )
+
+    def _serialised_pieces(self) -> bytes:
+        assert self._opt is not None
+        return to_bytes(pieces_state(self._opt, to_cpu=True))
 
     def _build_buckets(self) -> None:
         """Cut the flat vector into buckets, last parameters first (backward's order)."""
@@ -167,10 +303,15 @@ class ShardedStrategy(Strategy):
     def _fill(self, p: torch.Tensor) -> None:
         b, offset = self._slot[id(p)]
         slot = self._grad[offset : offset + p.numel()]
-        if p.grad is None:
+        grad = p.grad
+        if grad is None:
             slot.zero_()
-        else:
-            torch.mul(p.grad.reshape(-1), self._scale, out=slot)
+        elif grad.data_ptr() == slot.data_ptr() and grad.is_contiguous():
+            slot.mul_(self._scale)  # .grad is already this view (the last combined gradient)
+        elif grad.dtype == torch.float32:
+            torch.mul(grad.reshape(-1), self._scale, out=slot)
+        else:  # 16-bit parameters: weighted and summed in fp32
+            slot.copy_(grad.reshape(-1)).mul_(self._scale)
         self._filled.add(id(p))
         self._ready[b] += 1
 
@@ -185,134 +326,94 @@ class ShardedStrategy(Strategy):
             self._next_launch += 1
 
     def _finish_backward(self) -> None:
+        """Complete the reduce-scatters, all-gather the sums, point ``.grad`` at them."""
+        assert self._arp is not None
         for p in self.params:
             if id(p) not in self._filled:
                 self._fill(p)
         self._launch_ready()
-
-    def _reduce(self) -> torch.Tensor:
-        """Wait for this step's reduce-scatters; this rank's slice of the sum."""
-        if self._reduced is not None:
-            return self._reduced
-        assert self._arp is not None
-        if not self._synced:
-            raise MisuseError(
-                "the gradients are not combined yet: clip or step after the backward() "
-                "outside no_sync() (the last micro-batch's)"
-            )
+        group = self.runtime.group
+        # Per parameter: ranks that hold a gradient; last: the summed sample count.
+        flags = torch.tensor(
+            [0.0 if p.grad is None else 1.0 for p in self.params]
+            + [float(self._samples[0]) if self._by_count and self._samples else 0.0],
+            device=self._flat.device,
+        )
+        counted = all_reduce(flags, group=group)  # queued behind the reduce-scatters
         reduced = self._arp.aggregate_gradient_partition()
-        if self._by_count:  # after the waits: no collective beside the segments' own
-            assert self._samples is not None
-            count = torch.tensor([float(self._samples[0])])
-            reduced.div_(float(self.runtime.all_reduce_sum(count, where="sample count")[0]))
-        self._reduced = reduced
-        return reduced
+        counted.wait()
+        if self._by_count:
+            reduced.div_(float(flags[-1]))
+        all_gather(
+            reduced,
+            self._arp.size,
+            group=group,
+            compress=self._arp.gradient_codec,
+            out=self._grad,
+        )
+        if self._model_grad is not self._grad:
+            self._model_grad.copy_(self._grad)  # rounded once, the same on every rank
+        for p, view, used in zip(self.params, self._grad_views, flags.tolist(), strict=False):
+            if used > 0 and (p.grad is None or p.grad.data_ptr() != view.data_ptr()):
+                p.grad = view
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        grad = self._reduce()
-        if math.isinf(norm_type):
-            local = grad.abs().max() if grad.numel() else torch.zeros(())
-            total = local.reshape(1).to(torch.float32)
-            if self.world_size > 1:
-                self._wait(dist.all_reduce(total, op=dist.ReduceOp.MAX, async_op=True), "norm")
-            norm = total[0]
-        else:
-            power = grad.abs().pow(norm_type).sum().reshape(1)
-            norm = self.runtime.all_reduce_sum(power, where="gradient norm")[0] ** (1 / norm_type)
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        grad.mul_(coef)
-        return norm
+        """torch's clip over ``model.parameters()`` (its order: the same bits as
+        the script's own ``torch.nn.utils.clip_grad_norm_`` line)."""
+        assert self.model is not None
+        return torch.nn.utils.clip_grad_norm_(
+            list(self.model.parameters()), max_norm, norm_type=norm_type
+        )
 
     def use_loss_scaling(self) -> None:
         assert self._arp is not None
         if isinstance(self._arp.gradient_codec, codecs.FP16):
             self._arp.gradient_codec = codecs.FP16(saturate=False)
 
-    def _unscale(self, inv_scale: float) -> bool:
-        return self._agree(unscale_tensors([self._reduce()], inv_scale))
-
-    def _skip(self) -> None:
-        self._reduce()  # every segment waited for, even if nobody unscaled
-        self._reduced = None
-
     def _apply(self) -> None:
         assert self._arp is not None and self._opt is not None and self.optimizer is not None
-        grad = self._reduce()
         for mine, live in zip(self._opt.param_groups, self.optimizer.param_groups, strict=True):
             mine.update({k: v for k, v in live.items() if k != "params"})
-        try:
-            self._opt.apply(grad)
-        finally:
-            self._reduced = None
+        grads: list[torch.Tensor | None] = []
+        for piece in self._opt.pieces:
+            grad = self.params[piece.index].grad
+            if grad is not None:
+                flat = grad.detach().reshape(-1)
+                grad = flat[piece.offset : piece.offset + piece.view.numel()].float()
+            grads.append(grad)
+        self._opt.step_pieces(grads)
         self._arp.get_weights(self._flat).wait()
+
+    def _apply_unsynced(self) -> None:
+        """``step`` with no backward since the last one: as DDP, on what ``.grad``
+        holds (the combined gradient, the same bits on every rank, or None)."""
+        self._apply()
+        self._step_done()
 
     # the full optimizer state ------------------------------------------------------
 
     def optimizer_state_dict(self) -> dict[str, Any]:
+        """The whole state in the plain optimizer's format; on one rank alone too."""
         assert self._opt is not None and self.optimizer is not None
-        state: dict[int, dict[str, Any]] = {}
-        groups: list[dict[str, Any]] = []
-        index = 0
-        for g, (params, live) in enumerate(
-            zip(self._groups, self.optimizer.param_groups, strict=True)
-        ):
-            shard = self._opt.optimizer.state.get(self._opt.views[g], {})
-            start, end = self._opt.ranges[g]
-            a, b = self._opt.owned(g)
-            whole: dict[str, Any] = {}
-            for key in sorted(shard):
-                value = shard[key]
-                if isinstance(value, torch.Tensor) and value.dim() > 0:
-                    full = torch.zeros(end - start, dtype=value.dtype, device=value.device)
-                    full[a:b] = value.reshape(-1)
-                    whole[key] = self.runtime.all_reduce_sum(full, where="optimizer state")
-                else:
-                    whole[key] = value
-            ids = []
-            offset = 0
-            for p in params:
-                if whole:
-                    state[index] = {
-                        k: v[offset : offset + p.numel()].view_as(p).clone()
-                        if isinstance(v, torch.Tensor) and v.dim() > 0
-                        else (v.clone() if isinstance(v, torch.Tensor) else v)
-                        for k, v in whole.items()
-                    }
-                ids.append(index)
-                index += 1
-                offset += p.numel()
-            groups.append({**{k: v for k, v in live.items() if k != "params"}, "params": ids})
-        return {"state": state, "param_groups": groups}
+        pieces = pieces_state(self._opt, to_cpu=False)
+        if self._responder is not None:
+            others = self._responder.request("optimizer.state_dict()")
+            for _, payload in sorted(others.items()):
+                pieces.extend(from_bytes(payload))
+        whole = assemble(pieces, [p.shape for p in self.params], self._flat.device)
+        state = {self._index[j]: s for j, s in whole.items()}
+        return plain_state_dict(state, self.optimizer.param_groups)
 
     def load_optimizer_state_dict(self, state: dict[str, Any]) -> None:
-        assert self._opt is not None and self.optimizer is not None
-        saved_groups = state["param_groups"]
-        if len(saved_groups) != len(self._groups) or any(
-            len(s["params"]) != len(g) for s, g in zip(saved_groups, self._groups, strict=True)
-        ):
-            raise ValueError(
-                "the optimizer state dict does not match this optimizer's parameter groups "
-                f"({[len(s['params']) for s in saved_groups]} vs {[len(g) for g in self._groups]})"
-            )
-        shard_state: dict[int, dict[str, Any]] = {}
-        shard_groups: list[dict[str, Any]] = []
-        for g, (saved, live) in enumerate(
-            zip(saved_groups, self.optimizer.param_groups, strict=True)
-        ):
+        assert self.optimizer is not None
+        check_groups(state, self.optimizer.param_groups)
+        for saved, live in zip(state["param_groups"], self.optimizer.param_groups, strict=True):
             live.update({k: v for k, v in saved.items() if k != "params"})
-            per_param = [state["state"].get(i, state["state"].get(str(i))) for i in saved["params"]]
-            a, b = self._opt.owned(g)
-            if per_param and all(s for s in per_param):
-                mine: dict[str, Any] = {}
-                for key, first in per_param[0].items():
-                    if isinstance(first, torch.Tensor) and first.dim() > 0:
-                        full = torch.cat([s[key].reshape(-1) for s in per_param])
-                        mine[key] = full[a:b].clone()
-                    else:
-                        mine[key] = first
-                shard_state[g] = mine
-            shard_groups.append({**{k: v for k, v in live.items() if k != "params"}, "params": [g]})
-        self._opt.load_state_dict({"state": shard_state, "param_groups": shard_groups})
+        self._load_pieces(state)
+
+    def _load_pieces(self, state: dict[str, Any]) -> None:
+        assert self._opt is not None and self.optimizer is not None
+        load_pieces(self._opt, per_parameter(state, self.optimizer.param_groups, self.params))
 
     def model_loaded(self) -> None:
         """The model's (loaded) values become this rank's master slice."""
@@ -323,6 +424,8 @@ class ShardedStrategy(Strategy):
         self._arp.send_weight_partition()
 
     def close(self) -> None:
+        if self._responder is not None:
+            self._responder.close()
         if self._arp is not None:
             self._arp.close()
         super().close()

@@ -38,11 +38,13 @@ What a DDP line means here (the README's porting table quotes these):
   skip push that advances its clock (ssp).
 - Set-up: every rank takes rank 0's parameters (frozen ones too) and
   buffers; then the servers' values of the trainable ones (rank 0's unless
-  the servers already held the keys). Buffers at each forward: ``ps-sync``
-  broadcasts rank 0's, as DDP's ``broadcast_buffers=True``;
-  ``ps-async``/``ps-ssp`` keep them per worker unless ``broadcast_buffers=True``
-  is passed to ``prepare`` (a broadcast at every forward would make every
-  worker wait for the slowest one, which these modes exist to avoid).
+  the servers already held the keys). Buffers at each forward: rank 0's,
+  broadcast among the workers under every mode, as DDP's
+  ``broadcast_buffers=True`` default, so an unchanged DDP script keeps one set
+  of batch-norm statistics. Under ``ps-async``/``ps-ssp`` that broadcast makes
+  the workers meet at every forward of a model with buffers; pass
+  ``broadcast_buffers=False`` to ``prepare`` to keep buffers per worker and
+  let them run apart (a model without buffers never meets).
 - Checkpoints: ``model.state_dict()`` and ``optimizer.state_dict()`` read
   the servers directly, no collective, so rank 0 alone may call them; the
   files are a plain model's and a plain optimizer's. Optimizer state loaded

@@ -75,12 +75,6 @@ class _PSStrategy(Strategy):
         ]
         self._by_id = {id(k.param): k for k in self._keys}
         self._hyper = HyperparameterTracker(optimizer, [k.group for k in self._keys])
-        ddp = self.ddp
-        if self.mode != "sync" and ddp.broadcast_buffers is ddp.forward_sync_buffers is None:
-            # No broadcast of buffers at each forward unless asked for: it would make
-            # every worker wait for the slowest at every forward, which the
-            # asynchronous modes exist to avoid. Buffers stay per worker.
-            ddp.forward_sync_buffers = False
         # Rank 0's parameters (frozen ones too) and buffers everywhere first.
         self._broadcast_from_rank0(model)
         self._client, reports = connect(self.config, rt.rank, addresses, self.mode, self.name)
