@@ -65,7 +65,6 @@ class GradhubWork(dist._Work):
         self._started: float | None = None
         self._raw: torch.futures.Future[_Outcome] = torch.futures.Future()
         self._future = self._raw.then(_unwrap)
-        self.source_rank_: int = -1
 
     # ------------------------------------------------------- worker side
     def _start(self) -> None:
@@ -114,9 +113,6 @@ class GradhubWork(dist._Work):
     def result(self) -> list[torch.Tensor]:
         self.wait()
         return self._outputs
-
-    def source_rank(self) -> int:
-        return self.source_rank_
 
     def __repr__(self) -> str:
         state = "done" if self._done.is_set() else "pending"
@@ -178,8 +174,9 @@ class PeerWork(dist._Work):
     def exception(self) -> Any:
         return self._inner.exception()
 
-    def source_rank(self) -> int:
-        return int(self._inner.source_rank())
+    def _source_rank(self) -> int:
+        """The rank a receive from any source got its message from (``dist.recv`` reads it)."""
+        return int(self._inner._source_rank())
 
     def __repr__(self) -> str:
         return f"PeerWork({self.name!r}, peer={self._peer})"
