@@ -136,7 +136,10 @@ class GroupBase(dist.ProcessGroup):
         def run() -> None:
             work._start()
             try:
-                body()
+                # Tensors may require grad (DDP with create_graph=True): the
+                # exchange is data movement, as on gloo, never recorded.
+                with torch.no_grad():
+                    body()
             except BaseException as exc:
                 work._finish(exc)
             else:

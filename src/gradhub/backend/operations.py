@@ -93,10 +93,12 @@ def premultiply(tensors: Sequence[torch.Tensor], reduction: Reduction) -> None:
 
 
 def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """One contiguous vector: the tensor itself when it is one, else a copy."""
+    """One contiguous vector: the tensor itself when it is one, else a copy;
+    detached (the exchange is data movement, never recorded by autograd, also
+    for tensors that require grad: DDP with ``create_graph=True``)."""
     if len(tensors) == 1 and tensors[0].is_contiguous():
-        return tensors[0].view(-1)
-    return torch.cat([t.reshape(-1) for t in tensors])
+        return tensors[0].detach().view(-1)
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
 
 
 def _scatter_back(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
@@ -128,13 +130,16 @@ def transport_reduce_scatter(
 ) -> None:
     """``output`` = this rank's chunk of the reduction of every rank's ``chunks``
     (one chunk per rank, each ``output``'s size)."""
-    flat = torch.cat([c.reshape(-1) for c in chunks])
+    flat = _flat(chunks)
+    if len(chunks) == 1:  # never scale the caller's input in place
+        flat = flat.clone() if reduction.kind == RedOp.PREMUL_SUM else flat
     premultiply([flat], reduction)
-    out = output if output.is_contiguous() else torch.empty_like(output)
+    direct = output.is_contiguous()
+    out = output.detach() if direct else torch.empty_like(output.detach())
     reduce_scatter(flat, group=ctx.group, out=out.view(-1))
     if reduction.kind == RedOp.AVG:
         out.div_(ctx.size)
-    if out is not output:
+    if not direct:
         output.copy_(out)
 
 
@@ -144,10 +149,11 @@ def transport_all_gather(
     """``outputs[r]`` = rank ``r``'s ``tensor`` (all of one size)."""
     n = tensor.numel()
     if len(outputs) == 1 and outputs[0].is_contiguous():
-        gathered = outputs[0].view(-1)
+        gathered = outputs[0].detach().view(-1)
     else:
         gathered = torch.empty(n * ctx.size, dtype=torch.float32)
-    all_gather(tensor.reshape(-1).contiguous(), n * ctx.size, group=ctx.group, out=gathered)
+    mine = tensor.detach().reshape(-1).contiguous()
+    all_gather(mine, n * ctx.size, group=ctx.group, out=gathered)
     if len(outputs) == 1:
         if gathered.data_ptr() != outputs[0].data_ptr():
             outputs[0].copy_(gathered.view_as(outputs[0]))
