@@ -18,7 +18,7 @@ the agent's store (which outlives the workers) stay valid.
 With ``servers > 0`` it first starts that many parameter servers on loopback
 (:func:`gradhub.ps.launch.start_server`), then publishes their addresses in
 the c10d store that torchrun's agent hosts at ``MASTER_ADDR:MASTER_PORT``,
-under :data:`gradhub.train.strategies.ps.ADDRESSES_KEY` (a JSON list). The
+under :data:`gradhub.ps.addresses.ADDRESSES_KEY` (a JSON list). The
 workers' parameter-server strategies read it there: no environment variables
 of our own. The servers stop when the job ends.
 
@@ -58,9 +58,9 @@ from pathlib import Path
 import torch.distributed as dist
 
 from gradhub.nodes import NodePlace, locate
+from gradhub.ps.addresses import ADDRESSES_KEY
 from gradhub.ps.config import ServerConfig
 from gradhub.runtime import free_loopback_port
-from gradhub.train.strategies.ps import ADDRESSES_KEY
 
 log = logging.getLogger(__name__)
 

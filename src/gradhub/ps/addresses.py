@@ -16,7 +16,12 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-__all__ = ["address_list", "check_address"]
+__all__ = ["ADDRESSES_KEY", "address_list", "check_address"]
+
+ADDRESSES_KEY = "gradhub/ps/addresses"
+"""The key of the launcher's c10d store under which the job's servers' addresses
+are published (a JSON list): written by :mod:`gradhub.launcher`, read by the
+``ps-*`` strategies."""
 
 _ADDRESS = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):[0-9]{1,5}|ipc://\S+|inproc://\S+")
 

@@ -90,7 +90,8 @@ Other decisions:
 
 from __future__ import annotations
 
-from gradhub.train.strategies.ps.discovery import ADDRESSES_KEY, PSConfig, published_addresses
+from gradhub.ps.addresses import ADDRESSES_KEY
+from gradhub.train.strategies.ps.discovery import PSConfig, published_addresses
 from gradhub.train.strategies.ps.strategy import AsyncPSStrategy, SSPPSStrategy, SyncPSStrategy
 
 __all__ = [

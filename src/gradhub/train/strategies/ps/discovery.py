@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from gradhub import codecs
 from gradhub.errors import LaunchEnvironmentError, RendezvousError
+from gradhub.ps.addresses import ADDRESSES_KEY
 
-ADDRESSES_KEY = "gradhub/ps/addresses"
 """Key in the launcher's c10d store under which ``gradhub run --servers`` puts
 the parameter-server addresses (a JSON list of ZeroMQ endpoints)."""
 
