@@ -37,6 +37,7 @@ def run_script(rank: int, world: int, script: str, argv: list[str], cwd: str) ->
         module.destroy_process_group = lambda: None
     with contextlib.chdir(cwd), contextlib.redirect_stdout(io.StringIO()):
         result = module.main(argv)
+    result["group_after_main"] = torch.distributed.is_initialized()
     if reference and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     _wait_for_every_rank(Path(cwd), rank, world)
