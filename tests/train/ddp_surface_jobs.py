@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 import io
+import os
+import tempfile
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -415,8 +418,10 @@ def rank0_checkpoint(rank: int, runtime: Any) -> dict[str, Any]:
 
 
 def runs_out_without_join(rank: int, world: int) -> str:
-    """Rank 1 stops after one step and stays alive: rank 0's next step must fail
-    within the timeout, naming rank 1."""
+    """Rank 1 stops after one step and stays alive (until rank 0 has its answer,
+    however loaded the machine): rank 0's next step must fail within the
+    timeout, naming rank 1."""
+    answered = Path(tempfile.gettempdir()) / f"gradhub-runs-out-{os.environ['MASTER_PORT']}"
     runtime = gradhub.init(timeout=2)
     try:
         base = Net(0)
@@ -425,10 +430,15 @@ def runs_out_without_join(rank: int, world: int) -> str:
             try:
                 loss_of(model, step, 0, rank).backward()
             except gradhub.GradhubError as exc:
+                answered.touch()
                 return f"{type(exc).__name__}: {exc}"
             opt.step()
             opt.zero_grad()
-        time.sleep(3.5)
+        deadline = time.monotonic() + 40
+        while not answered.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
         return "finished"
     finally:
         runtime.close()
+        if rank == 1:
+            answered.unlink(missing_ok=True)
