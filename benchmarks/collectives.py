@@ -29,12 +29,21 @@ as the slower rank's time from a common barrier:
   each way, no arithmetic: what the wire alone costs for RS+AG on gloo.
 
 Floors, from this machine's one-thread copy bandwidth C (bytes copied per
-second, measured at the start and recorded): with h the bytes of half the
-vector, an in-place RS+AG through shared memory must, per rank, copy its
-other half into shared memory (h), add the peer's copy of its own half to
-its own (read 2h, write h: 1.5 h of copying), publish that sum (h) and
-copy the peer's sum out (h): 4.5 h / C. The copying cycle adds the gradient
-copy in (2h), the published snapshot (h) and its copy out (h): 8.5 h / C.
+second, measured at the start and recorded; a copy of b bytes reads b and
+writes b, so the floor is the bytes each rank reads and writes / 2C): with h
+the bytes of half the vector, an in-place RS+AG of private tensors through
+shared memory must, per rank, copy its other half into shared memory (h),
+add the peer's copy of its own half to its own (read 2h, write h: 1.5 h of
+copying), publish that sum (h) and copy the peer's sum out (h): 4.5 h / C.
+``AllReduceParameter``'s flat buffers live in shared memory
+(:meth:`gradhub.transports.shm.ShmTransport.shared_vector`), so the bound
+cycle only adds the peer's half to its own where they lie (1.5 h) and copies
+the peer's slice of the weights out (h): 2.5 h / C. The copying cycle adds
+the gradient copy in (2h), the published snapshot (h), and an all-gather
+into the caller's private tensor (3h, as in place): 7.5 h / C. C is measured
+on 64 MB copies (twice the last-level cache); at 4M floats part of the
+traffic stays in the 32 MB cache, so a time somewhat under the floor is
+possible there.
 
 Bus bandwidth per nccl-tests: algbw = 4 * n bytes / time, and for all-reduce
 (and reduce-scatter + all-gather, which move the same bytes)
@@ -84,8 +93,8 @@ METHODS = [
     "gloo RS+AG",
     "p2p floor",
 ]
-FLOOR_HALVES = {"RS+AG fp32 in place": 4.5, "AllReduceParameter cycle, bound": 4.5}
-FLOOR_HALVES["AllReduceParameter cycle"] = 8.5
+FLOOR_HALVES = {"RS+AG fp32 in place": 4.5, "AllReduceParameter cycle, bound": 2.5}
+FLOOR_HALVES["AllReduceParameter cycle"] = 7.5
 
 _rs_native = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _ag_native = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -245,7 +254,9 @@ def summarise(raw: dict[str, dict[str, list[float]]], copy_gbps: float) -> list[
             med = statistics.median(samples)
             algbw = 4 * n / med / 1e9
             per_round = [t / b for t, b in zip(samples, times[BASELINE], strict=True)]
-            halves = next((h for m, h in FLOOR_HALVES.items() if name.endswith(m)), None)
+            # the floors are shared memory's ("user": the transport gradhub picks, shm here)
+            shm = name.startswith(("shm ", "user "))
+            halves = next((h for m, h in FLOOR_HALVES.items() if shm and name.endswith(m)), None)
             floor = None if halves is None else halves * 2 * n / (copy_gbps * 1e9)
             rows.append(
                 {
