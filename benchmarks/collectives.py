@@ -11,6 +11,10 @@ as the slower rank's time from a common barrier:
     :func:`gradhub.collective.all_gather`, codec ``"none"``, into separate outputs;
   - ``RS+AG fp32 in place``: the reduce-scatter writes the input's own slice and
     the all-gather writes over the input (an in-place all-reduce);
+    ``, shared vector``: the same calls on a vector made by
+    :meth:`~gradhub.transports.shm.ShmTransport.shared_vector` (shared memory
+    only), which the other rank reads in place: what a caller that keeps its
+    buffers in shared memory (``AllReduceParameter``) gets;
   - ``RS+AG bf16``: out of place with ``"bf16"`` on the wire;
   - ``AllReduceParameter cycle``: ``put_gradients(x)``,
     ``aggregate_gradient_partition(1)``, ``send_weight_partition``,
@@ -78,6 +82,7 @@ from gradhub.collective import (
     all_gather,
     reduce_scatter,
 )
+from gradhub.collective.ring import run_shared_vectors
 from gradhub.partition import partition_range
 
 WORLD_SIZE = 2
@@ -86,14 +91,17 @@ BASELINE = "gloo all_reduce"
 TRANSPORTS = ["ring", "shm"]
 CYCLES = ["AllReduceParameter cycle", "AllReduceParameter cycle, bound"]
 OURS = ["RS+AG fp32", "RS+AG fp32 in place", "RS+AG bf16", *CYCLES]
+SHARED = "shm RS+AG fp32 in place, shared vector"
 METHODS = [
     *(f"{t} {m}" for m in OURS for t in TRANSPORTS),
+    SHARED,
     *(f"user {m}" for m in CYCLES),
     BASELINE,
     "gloo RS+AG",
     "p2p floor",
 ]
 FLOOR_HALVES = {"RS+AG fp32 in place": 4.5, "AllReduceParameter cycle, bound": 2.5}
+FLOOR_HALVES["RS+AG fp32 in place, shared vector"] = 2.5
 FLOOR_HALVES["AllReduceParameter cycle"] = 7.5
 
 _rs_native = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -162,6 +170,14 @@ def make_methods(
         methods[f"{transport} RS+AG fp32"] = out_of_place("none")
         methods[f"{transport} RS+AG fp32 in place"] = in_place
         methods[f"{transport} RS+AG bf16"] = out_of_place("bf16")
+        if transport == "shm":  # the same in-place calls on a vector in shared memory
+            vectors = group.submit(
+                "vector", lambda g=group: run_shared_vectors(g, 1, n, name="vector")
+            ).wait()
+            assert vectors is not None
+            vector = vectors[0]
+            methods[SHARED] = lambda x, v=vector, g=group: in_place(v, g)
+            inputs[SHARED] = vector
 
     # the cycles: on each transport, and as a user writes it (group=None: the
     # user's own default group, the transport gradhub picks for it)
@@ -285,6 +301,7 @@ GOALS = [
     ("user AllReduceParameter cycle, bound", "shm RS+AG fp32 in place", "<= 1.1"),
     ("user AllReduceParameter cycle", BASELINE, ""),
     ("shm RS+AG fp32 in place", BASELINE, "<= 0.45 or 1.3x floor"),
+    (SHARED, BASELINE, ""),
 ]
 
 

@@ -7,8 +7,8 @@ rank maps them (``mmap``) and views them with ``torch.frombuffer``, then
 closes the descriptor. Nothing has a name in a file system, so a killed process leaves
 nothing behind: the kernel frees a segment when its last mapping goes.
 
-- A small control segment holds one 64-bit sequence counter per rank, each
-  on its own cache line.
+- A small control segment holds, per rank, each on its own cache line, a
+  64-bit sequence counter, a "done" counter and two exposure flags.
 - A data segment holds two sets of one region per rank (each region as large
   as the vector); operation ``k`` uses set ``k % 2``. It grows (a new segment
   from the leader, sent over the socket) when a larger vector comes; every
