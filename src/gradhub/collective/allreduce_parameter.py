@@ -33,6 +33,9 @@ Decisions (where BigDL's block-manager design does not carry over):
   (the same bits as out of place) and divided by ``avg_numbers`` (as BigDL;
   not by 1: the same bits); meaningful from ``aggregate_gradient_partition``
   until the next gradient is written. Buffers are reused from step to step.
+- Shared memory: where the group's transport has vectors it reads in place
+  (``"shm"``), ``init`` puts the flat buffers there, so the bound cycle's
+  reduce-scatter and all-gather read the other ranks' buffers where they lie.
 - Zero copies (DDP's ``gradient_as_bucket_view``, FSDP's flat parameters;
   :mod:`.flat_views`): :meth:`bind` makes parameters views of
   :attr:`flat_weights` and their grads views of :attr:`flat_gradients`;
@@ -55,14 +58,16 @@ import zlib
 import torch
 
 from gradhub import codecs
+from gradhub.collective.agreement import check_agreement
 from gradhub.collective.flat_views import bind_views, occupies
 from gradhub.collective.ring import (
     DEFAULT_PIPELINE_ELEMENTS,
     Group,
     run_all_gather,
     run_reduce_scatter,
+    run_shared_vectors,
 )
-from gradhub.errors import ClosedError, ShapeMismatchError, StateError
+from gradhub.errors import ClosedError, StateError
 from gradhub.partition import partition_range, partition_ranges
 from gradhub.transports.group import CollectiveFuture, CollectiveGroup
 from gradhub.trees import Tree, TreeSpec, as_tree
@@ -122,6 +127,7 @@ class AllReduceParameter:
         )
         self._gradients = self._flat_gradients[own]
         self._views_out = False  # flat_weights handed out: publish weight_partition itself
+        self._handed_out = False  # a buffer or slice handed out before init: keep these
         self._published: torch.Tensor | None = None
         self._gathering: list[CollectiveFuture[Tree]] = []  # get_weights reading _published
         self._pending: list[CollectiveFuture[torch.Tensor]] = []
@@ -138,11 +144,13 @@ class AllReduceParameter:
     @property
     def weight_partition(self) -> torch.Tensor:
         """The fp32 master copy of this rank's slice; update it in place."""
+        self._handed_out = True
         return self._weights
 
     @property
     def gradient_partition(self) -> torch.Tensor:
         """The last aggregated fp32 gradient of this rank's slice (divided by ``avg_numbers``)."""
+        self._handed_out = True
         return self._gradients
 
     @property
@@ -154,7 +162,7 @@ class AllReduceParameter:
         """The flat fp32 weights (``size`` elements) that :meth:`get_weights` fills in
         place when given them, or views of them (:meth:`bind`). Handing them out
         makes ``send_weight_partition`` publish ``weight_partition`` itself."""
-        self._views_out = True
+        self._views_out = self._handed_out = True
         if self._plain:
             self._published = self._weights  # from now on the master itself is published
         return self._flat_weights
@@ -163,6 +171,7 @@ class AllReduceParameter:
     def flat_gradients(self) -> torch.Tensor:
         """The flat fp32 gradient buffer (``size`` elements) that :meth:`put_gradients`
         reduces in place when given it, or views of it (:meth:`bind`)."""
+        self._handed_out = True
         return self._flat_gradients
 
     # ---------------------------------------------------------------- methods
@@ -181,10 +190,12 @@ class AllReduceParameter:
         rows = self.group.submit(
             "AllReduceParameter.init",
             lambda: self.group.all_gather_ints(
-                [self.size, spec.numel, codec_id], "AllReduceParameter.init"
+                [self.size, spec.numel, codec_id, self._handed_out], "AllReduceParameter.init"
             ),
         ).wait()
-        self._check_agreement(rows)
+        check_agreement(rows, self.size, self.codec.name, self.partition_id)
+        if not any(row[3] for row in rows):
+            self._share_buffers()
         flat = spec.flatten(parameter).to(self.group.device)
         self._weights.copy_(flat[self._start : self._start + self._length])
         self._spec = spec
@@ -199,28 +210,17 @@ class AllReduceParameter:
         )
         return self.partition_id, self._start, self._length
 
-    def _check_agreement(self, rows: list[list[int]]) -> None:
-        sizes = {r: row[0] for r, row in enumerate(rows)}
-        if len(set(sizes.values())) > 1:
-            raise ShapeMismatchError(
-                "AllReduceParameter",
-                "the same size on every rank",
-                f"sizes by rank {sizes}; create it with the same size everywhere",
-                "size",
-            )
-        if len({row[2] for row in rows}) > 1:
-            raise ValueError(
-                f"[rank {self.partition_id}] AllReduceParameter codecs differ between ranks "
-                f"(this rank: {self.codec.name!r}); pass the same compress= on every rank"
-            )
-        wrong = {r: row[1] for r, row in enumerate(rows) if row[1] != self.size}
-        if wrong:
-            raise ShapeMismatchError(
-                "AllReduceParameter.init",
-                f"a parameter of {self.size} elements",
-                f"elements by rank {wrong}",
-                "size",
-            )
+    def _share_buffers(self) -> None:
+        """The flat buffers (zeros, none handed out) where the transport reads them in place."""
+        shared = self.group.submit(
+            "AllReduceParameter.init",
+            lambda: run_shared_vectors(self.group, 2, self.size, name="AllReduceParameter.init"),
+        ).wait()
+        if shared is not None:
+            self._flat_weights, self._flat_gradients = shared  # a new segment holds zeros
+            own = slice(self._start, self._start + self._length)
+            self._weights = self._flat_weights[own] if self._plain else self._weights
+            self._gradients = self._flat_gradients[own]
 
     def bind(self, parameters: Tree) -> None:
         """Make every tensor of ``parameters`` a view of :attr:`flat_weights` and its

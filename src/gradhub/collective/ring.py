@@ -43,6 +43,7 @@ __all__ = [
     "run_all_gather",
     "run_all_reduce",
     "run_reduce_scatter",
+    "run_shared_vectors",
 ]
 
 Group = CollectiveGroup | dist.ProcessGroup | None
@@ -236,6 +237,18 @@ def run_all_gather(
     chunking = Chunking(pipeline_elements=pipeline, small_bytes=small_bytes)
     transport.all_gather(op, own_wire, codec, ranges, out.view(-1), chunking)
     return out
+
+
+def run_shared_vectors(
+    group: CollectiveGroup, count: int, numel: int, *, timeout: float | None = None, name: str
+) -> list[torch.Tensor] | None:
+    """``count`` fp32 vectors of ``numel`` elements that the group's transport
+    reads in place (:meth:`~gradhub.transports.base.Transport.shared_vector`),
+    or ``None`` where it has none; call it on the worker thread."""
+    op = group.begin(name, timeout, check_in=choice.checks_in(group))
+    transport = choice.select(group, op)
+    vectors = [transport.shared_vector(op, numel) for _ in range(count)]
+    return None if any(v is None for v in vectors) else [v for v in vectors if v is not None]
 
 
 def _check_out(out: torch.Tensor | None, numel: int, device: torch.device) -> torch.Tensor:

@@ -138,6 +138,13 @@ class Transport(ABC):
         wire = own if isinstance(codec, codecs.NoCompression) else codec.encode(own)
         self.all_gather(op, wire, codec, ranges, flat, chunking)
 
+    def shared_vector(self, op: Operation, numel: int) -> torch.Tensor | None:
+        """A new fp32 vector of ``numel`` elements that the other ranks read in
+        place when it is the whole ``flat`` of a reduce-scatter or ``out`` of an
+        all-gather (collective, within ``op``), or ``None``: this transport has
+        no such vectors (the default)."""
+        return None
+
     @abstractmethod
     def broadcast(self, op: Operation, tensor: torch.Tensor, root: int) -> None:
         """``tensor`` (contiguous, any dtype, the same shape on every rank) =

@@ -7,8 +7,8 @@ rank maps them (``mmap``) and views them with ``torch.frombuffer``, then
 closes the descriptor. Nothing has a name in a file system, so a killed process leaves
 nothing behind: the kernel frees a segment when its last mapping goes.
 
-- A small control segment holds one 64-bit sequence counter per rank, each
-  on its own cache line.
+- A small control segment holds, per rank, each on its own cache line, a
+  64-bit sequence counter, a "done" counter and two exposure flags.
 - A data segment holds two sets of one region per rank (each region as large
   as the vector); operation ``k`` uses set ``k % 2``. It grows (a new segment
   from the leader, sent over the socket) when a larger vector comes; every
@@ -41,6 +41,13 @@ decodes the owner's wire values on every rank. Memory ordering: a counter is
 stored after the data it publishes; x86-64 keeps stores in order, and the
 ``futex`` system calls on both sides are full barriers.
 
+Vectors read in place (:meth:`ShmTransport.shared_vector`, which
+``AllReduceParameter``'s flat buffers are): a reduce-scatter sums the ranks'
+vectors where they lie (same order, same bits), an all-gather copies each
+owner's slice out of the owner's vector. Each ends with a second
+synchronisation ("done" counters), so on return no rank reads this rank's
+vector any more and the caller may write it.
+
 Waiting: ``futex`` waits on the peer's counter in the kernel (no spinning:
 the ranks may share fewer cores than there are ranks), in slices of
 :data:`WAIT_SLICE` seconds; after each slice the peer's process is checked
@@ -58,9 +65,11 @@ out (``2 h`` read, ``2 h`` written). That is the least two separate calls on
 private tensors allow (each must publish what the peer needs and fetch what
 it publishes), so the time is memory bandwidth: ``benchmarks/collectives.py``
 prints the floor ``4.5 h / C`` (C: this machine's one-thread copy rate)
-beside the measured time. Profiled (py-spy, 16M fp32), the worker thread
-spends about 90% of its busy time in those copies and the add, about 5% in
-futex waits, the rest in Python bookkeeping.
+beside the measured time; vectors read in place need ``5 h``: ``2.5 h / C``.
+Profiled (py-spy, 16M fp32), the worker thread spends two thirds of its
+samples in the copies and the add (a copy into shared memory costs more than
+the add), 12-22% in futex waits, 8% idle between operations (thread
+hand-offs), the rest in Python.
 
 Linux only (``memfd_create``, ``pidfd_open``, ``futex``), x86-64 or aarch64.
 """
@@ -82,7 +91,14 @@ from gradhub.errors import ClosedError, CollectiveTimeoutError, WorkerFailedErro
 from gradhub.transports.base import Chunking, Ranges, Transport
 from gradhub.transports.group import CollectiveGroup, Operation
 from gradhub.transports.schedule import add_in_order, reduction_order
-from gradhub.transports.shm_setup import Joined, join, share_segment
+from gradhub.transports.shm_setup import (
+    Joined,
+    SharedVectors,
+    died_error,
+    join,
+    late_error,
+    share_segment,
+)
 
 _log = logging.getLogger("gradhub.collective")
 
@@ -125,8 +141,9 @@ class ShmTransport(Transport):
         self._counters: ctypes.Array[ctypes.c_int64] = (ctypes.c_int64 * 0)()
         self._base = 0
         self._op = op
+        self._shared = SharedVectors()
         try:
-            control_bytes = max(_ALIGN, self.size * _LINE)
+            control_bytes = max(_ALIGN, 4 * self.size * _LINE)  # entered, done, 2 x exposed
             self._joined = join(
                 group, self.ranks, op, key, control_bytes, self._died_now, self._setup_timeout
             )
@@ -141,7 +158,7 @@ class ShmTransport(Transport):
             raise
         control = self._joined.control
         assert control is not None
-        self._counters = (ctypes.c_int64 * (self.size * _STRIDE)).from_buffer(control.mm)
+        self._counters = (ctypes.c_int64 * (4 * self.size * _STRIDE)).from_buffer(control.mm)
         self._base = ctypes.addressof(self._counters)
         _log.debug(
             "[rank %d] shared memory with ranks %s (pids %s)",
@@ -173,6 +190,41 @@ class ShmTransport(Transport):
         chunking: Chunking,
     ) -> None:
         self.all_gather_segments(op, own_wire, codec, [[c] for c in ranges], out)
+
+    # ------------------------------------------------- vectors read in place
+    def shared_vector(self, op: Operation, numel: int) -> torch.Tensor:
+        """A new fp32 vector of ``numel`` elements in a segment every rank maps
+        (collective: every rank calls it at the same operation). Reduce-scatters
+        and all-gathers of it read the other ranks' vectors in place (see the
+        module docstring); any other use of it works as of a private tensor."""
+        self._next(op, count=False)  # not numbered: it publishes nothing
+        return self._shared.make(self._joined, self.index, op, numel, self._died_now, self._late)
+
+    def _expose(self, k: int, tensor: torch.Tensor, plain: bool) -> bool:
+        """Say whether the other ranks read ``tensor`` in place in operation ``k``
+        (it is this rank's whole shared vector and the wire holds fp32) or this
+        rank's region. One flag per rank and set ``k % 2``, as the regions."""
+        vector = self._shared.id_of(tensor, self.index) if plain else 0
+        self._counters[self._flag(k, self.index)] = vector
+        return vector != 0
+
+    def _flag(self, k: int, j: int) -> int:
+        return (2 * self.size + (k % 2) * self.size + j) * _STRIDE
+
+    def _sources(self, k: int, regions: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Where each rank's values of operation ``k`` lie: its vector or its region."""
+        flags = [self._counters[self._flag(k, j)] for j in range(self.size)]
+        return [self._shared.vector(f, j) if f else regions[j] for j, f in enumerate(flags)]
+
+    def _finish(self, op: Operation, k: int, during: str, exposed: bool) -> None:
+        """Say this rank is done reading operation ``k``; if ``exposed``, wait until
+        every rank is (then nothing reads this rank's vector any more)."""
+        done = self.size * _STRIDE
+        self._counters[done + self.index * _STRIDE] = k
+        futex_wake(self._address(self.size + self.index))
+        for j in range(self.size) if exposed else ():
+            if j != self.index and self._counters[done + j * _STRIDE] < k:
+                self._sleep_until(op, j, k, during, self.size + j)
 
     @forgetting_views
     def broadcast(self, op: Operation, tensor: torch.Tensor, root: int) -> None:
@@ -213,7 +265,8 @@ class ShmTransport(Transport):
         dtype = torch.float32 if plain or hop else codec.wire_dtype
         k, regions = self._begin(op, flat.numel(), dtype)
         mine = regions[me]
-        for c, segments in enumerate(owned):
+        exposed = self._expose(k, flat, plain)
+        for c, segments in enumerate(owned if not exposed else ()):
             for s, n in segments if c != me else ():
                 if n == 0:
                     continue
@@ -225,15 +278,17 @@ class ShmTransport(Transport):
                     mine[s : s + n].copy_(codec.encode(flat[s : s + n]))
         self._publish(k)
         self._wait_all(op, k, "reduce_scatter")
+        sources = self._sources(k, regions)
         order = reduction_order(me, P)  # this rank last
         at = 0
         for s, n in owned[me]:
-            parts = [regions[j][s : s + n] for j in order[:-1]]
+            parts = [sources[j][s : s + n] for j in order[:-1]]
             scratch = self.group.scratch("shm_acc", n, torch.float32)
             add_in_order(parts, flat[s : s + n], codec, out[at : at + n], hop=hop, scratch=scratch)
             at += n
             del parts
-        del regions, mine
+        del regions, mine, sources
+        self._finish(op, k, "reduce_scatter", exposed)
 
     @forgetting_views
     def all_gather_segments(
@@ -252,25 +307,30 @@ class ShmTransport(Transport):
         me = self.index
         plain = isinstance(codec, codecs.NoCompression)
         k, regions = self._begin(op, out.numel(), codec.wire_dtype)
+        exposed = self._expose(k, out, plain)
         at = 0
-        for s, n in owned[me]:
-            regions[me][s : s + n].copy_(own_wire[at : at + n])
+        for s, n in owned[me]:  # into the region, or into place in the exposed vector
+            into = out[s : s + n] if exposed else regions[me][s : s + n]
+            if into.data_ptr() != own_wire[at:].data_ptr():
+                into.copy_(own_wire[at : at + n])
             at += n
         self._publish(k)
         at = 0
-        for s, n in owned[me]:
+        for s, n in owned[me] if not exposed else ():
             wire, own_out = own_wire[at : at + n], out[s : s + n]
             at += n
             if n and not (plain and wire.data_ptr() == own_out.data_ptr()):
                 own_out.copy_(wire if plain else codec.decode(wire))
         self._wait_all(op, k, "all_gather")
+        sources = self._sources(k, regions)
         for c, segments in enumerate(owned):
             for s, n in segments if c != me else ():
                 if n == 0:
                     continue
-                part = regions[c][s : s + n]
+                part = sources[c][s : s + n]
                 out[s : s + n].copy_(part if plain else codec.decode(part))
-        del regions
+        del regions, sources
+        self._finish(op, k, "all_gather", exposed)
 
     # -------------------------------------------------------- synchronisation
     def _begin(
@@ -278,13 +338,7 @@ class ShmTransport(Transport):
     ) -> tuple[int, list[torch.Tensor]]:
         """Number the operation, grow the data segment if needed, and return
         the regions of this operation's set as ``numel``-element views."""
-        if self._closed:
-            raise ClosedError(
-                f"[rank {self.group.rank}] {op.name}: the shared-memory transport is closed"
-            )
-        self._op = op
-        self._sequence += 1
-        k = self._sequence
+        k = self._next(op)
         itemsize = torch.empty((), dtype=dtype).element_size()
         need = -(-max(numel * itemsize, 1) // _ALIGN) * _ALIGN
         if need > self._capacity:
@@ -299,6 +353,16 @@ class ShmTransport(Transport):
             for i in range(self.size)
         ]
         return k, regions
+
+    def _next(self, op: Operation, *, count: bool = True) -> int:
+        """The number of operation ``op`` (refused once closed)."""
+        if self._closed:
+            raise ClosedError(
+                f"[rank {self.group.rank}] {op.name}: the shared-memory transport is closed"
+            )
+        self._op = op
+        self._sequence += count
+        return self._sequence
 
     def _grow(self, op: Operation, capacity: int) -> None:
         leader = self.index == 0
@@ -322,9 +386,14 @@ class ShmTransport(Transport):
             if j != self.index and counters[j * _STRIDE] < k:
                 self._sleep_until(op, j, k, during)
 
-    def _sleep_until(self, op: Operation, j: int, k: int, during: str) -> None:
-        counters, slot = self._counters, j * _STRIDE
-        address = self._address(j)
+    def _sleep_until(
+        self, op: Operation, j: int, k: int, during: str, line: int | None = None
+    ) -> None:
+        """Sleep until counter ``line`` (default: rank ``j``'s entered counter)
+        reaches ``k``; rank ``j`` is the one named if it does not."""
+        line = j if line is None else line
+        counters, slot = self._counters, line * _STRIDE
+        address = self._address(line)
         while True:
             seen = counters[slot]
             if seen >= k:
@@ -345,32 +414,17 @@ class ShmTransport(Transport):
     def _late(self, j: int) -> CollectiveTimeoutError:
         """The counters are this transport's check-ins: a rank whose counter is
         behind this operation's number has not entered it."""
-        op = self._op
-        self.group.mark_broken(f"{op.name} timed out")
-        k = self._sequence
-        behind = [self.ranks[i] for i in range(self.size) if self._counters[i * _STRIDE] < k]
-        detail = (
-            f"not entered the operation; rank {self.group.rank} was waiting on rank {self.ranks[j]}"
-        )
-        err = CollectiveTimeoutError(op.name, behind or [self.ranks[j]], op.timeout, detail)
-        _log.error("[rank %d] %s", self.group.rank, err)
-        return err
+        k, counters = self._sequence, self._counters
+        behind = [self.ranks[i] for i in range(self.size) if counters[i * _STRIDE] < k]
+        return late_error(self.group, self._op, behind, self.ranks[j])
 
     def _died_now(self, j: int, during: str) -> WorkerFailedError:
         return self._died(self._op, j, during)
 
     def _died(self, op: Operation, j: int, during: str) -> WorkerFailedError:
-        rank = self.ranks[j]
         pids = self._joined.pids
-        pid = pids[j] if j < len(pids) else "?"
-        self.group.mark_broken(f"{op.name} failed")
-        err = WorkerFailedError(
-            f"[rank {self.group.rank}] {op.name}: rank {rank} (pid {pid}) died during "
-            f"{during} (shared memory). The group is unusable: stop this process and "
-            "restart the job"
-        )
-        _log.error("%s", err)
-        return err
+        pid = pids[j] if j < len(pids) else None
+        return died_error(self.group, op, self.ranks[j], pid, during)
 
     def _setup_timeout(self, missing: list[int]) -> CollectiveTimeoutError:
         return self.group.timed_out(self._op, missing[0] if len(missing) == 1 else None)
@@ -382,6 +436,7 @@ class ShmTransport(Transport):
             return
         self._closed = True
         self._counters = (ctypes.c_int64 * 0)()  # releases the control mapping's buffer
+        self._shared.close()
         for mapping in (self._data, self._joined.control):
             if mapping is not None:
                 mapping.close()

@@ -5,24 +5,31 @@ Unix socket whose random name it publishes in the group's c10d store; the
 other ranks connect, say who they are (rank and pid, checked against the
 socket's peer credentials), and receive the table of pids and the control
 segment's descriptor (``SCM_RIGHTS``). Later segments (the data segment as
-it grows) travel the same way. Every failure here is a gradhub error naming
+it grows, and the vectors read in place: :class:`SharedVectors`) travel
+the same way. Every failure here is a gradhub error naming
 the rank: ``died(index, during)`` and ``timed_out(ranks)`` make them.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import socket
 import struct
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from gradhub._shm.hosts import wait_for_keys
 from gradhub._shm.memory import Mapping, new_segment, recv_exact
-from gradhub.errors import CollectiveTimeoutError, WorkerFailedError
+from gradhub.errors import CollectiveTimeoutError, StateError, WorkerFailedError
 from gradhub.transports.group import CollectiveGroup
 from gradhub.transports.operation import Operation
+
+_log = logging.getLogger("gradhub.collective")
 
 _HELLO = struct.Struct("<qq")  # rank, pid
 _GROW = struct.Struct("<q")  # bytes of the segment
@@ -134,6 +141,32 @@ def _lead(
         listener.close()
 
 
+def late_error(
+    group: CollectiveGroup, op: Operation, behind: list[int], waited_on: int
+) -> CollectiveTimeoutError:
+    """``op`` ran out of time on this rank waiting on rank ``waited_on``;
+    ``behind``: the ranks that had not entered it. Breaks the group."""
+    group.mark_broken(f"{op.name} timed out")
+    detail = f"not entered the operation; rank {group.rank} was waiting on rank {waited_on}"
+    err = CollectiveTimeoutError(op.name, behind or [waited_on], op.timeout, detail)
+    _log.error("[rank %d] %s", group.rank, err)
+    return err
+
+
+def died_error(
+    group: CollectiveGroup, op: Operation, rank: int, pid: int | None, during: str
+) -> WorkerFailedError:
+    """Rank ``rank`` (process ``pid``) died during ``during`` of ``op``. Breaks the group."""
+    group.mark_broken(f"{op.name} failed")
+    err = WorkerFailedError(
+        f"[rank {group.rank}] {op.name}: rank {rank} (pid {'?' if pid is None else pid}) "
+        f"died during {during} (shared memory). The group is unusable: stop this "
+        "process and restart the job"
+    )
+    _log.error("%s", err)
+    return err
+
+
 def _died_of(
     group: CollectiveGroup, op: Operation, ranks: Sequence[int], index: int
 ) -> WorkerFailedError:
@@ -210,3 +243,68 @@ def share_segment(
         raise died(0, "growing the shared segment")
     (total,) = _GROW.unpack(message)
     return Mapping(fds[0], total)
+
+
+class SharedVectors:
+    """fp32 vectors that every rank of a host maps, one per rank, in one segment
+    each (:meth:`ShmTransport.shared_vector <gradhub.transports.shm.ShmTransport.shared_vector>`).
+    Each segment has a number (1, 2, ...: the same on every rank, as they are made
+    collectively), by which a rank tells the others which vector it exposes.
+    A segment is forgotten here when this rank's vector (the tensor object
+    :meth:`make` returned) is garbage; its memory goes with the last view."""
+
+    _ALIGN = 4096
+
+    def __init__(self) -> None:
+        self._segments: list[tuple[Mapping, list[torch.Tensor]] | None] = []
+        self._ids: dict[int, int] = {}  # address of this rank's vector -> number
+
+    def make(
+        self, joined: Joined, index: int, op: Operation, numel: int, died: Died, late: Late
+    ) -> torch.Tensor:
+        """A new segment of one ``numel``-element vector per rank (collective);
+        returns the vector of local rank ``index``."""
+        nbytes = -(-max(numel * 4, 1) // self._ALIGN) * self._ALIGN
+        size = len(joined.pids)
+        mapping = share_segment(joined, index == 0, op, size * nbytes, died, late)
+        assert mapping.bytes is not None
+        views = [
+            mapping.bytes[i * nbytes : i * nbytes + numel * 4].view(torch.float32)
+            for i in range(size)
+        ]
+        self._segments.append((mapping, views))
+        number, address = len(self._segments), views[index].data_ptr()
+        self._ids[address] = number
+        weakref.finalize(views[index], self._forget, number, address)
+        return views[index]
+
+    def _forget(self, number: int, address: int) -> None:
+        if number <= len(self._segments):
+            self._segments[number - 1] = None
+            self._ids.pop(address, None)
+
+    def id_of(self, flat: torch.Tensor, index: int) -> int:
+        """The number of the segment whose vector of local rank ``index`` is
+        ``flat`` (the whole of it, as fp32), else 0."""
+        number = self._ids.get(flat.data_ptr(), 0) if self._ids else 0
+        if number and self.vector(number, index).numel() != flat.numel():
+            return 0
+        return number if flat.dtype == torch.float32 else 0
+
+    def vector(self, number: int, index: int) -> torch.Tensor:
+        """Local rank ``index``'s vector of segment ``number``."""
+        segment = self._segments[number - 1] if 0 < number <= len(self._segments) else None
+        if segment is None:
+            raise StateError(
+                f"local rank {index} reads in place a shared vector this rank no longer "
+                "has: the ranks do not run the same operations on the same objects"
+            )
+        return segment[1][index]
+
+    def close(self) -> None:
+        """Forget the vectors; a mapping stays until the caller's views of it go."""
+        segments, self._segments = self._segments, []
+        self._ids.clear()
+        for segment in segments:
+            if segment is not None:
+                segment[0].close()

@@ -1,0 +1,67 @@
+"""Vectors the shared-memory transport reads in place (``ShmTransport.shared_vector``).
+
+Real processes. Some ranks hand the transport their shared vector, others a
+private tensor, in the same operation: every rank must get the bits that
+private tensors everywhere give. A reader is slowed down on purpose, and the
+ranks that exposed their vector overwrite it the moment the operation
+returns: the operation must not return before every rank has read it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from gradhub.collective import all_gather, local_group, reduce_scatter
+from gradhub.collective.ring import run_shared_vectors
+from gradhub.transports import shm
+from harness import free_port, run_ranks
+
+pytestmark = pytest.mark.skipif(not shm.supported(), reason="needs memfd, pidfd and futex")
+
+N = 100_003
+
+
+def shared_job(rank: int, world_size: int, port: int) -> list[str]:
+    torch.set_num_threads(1)
+    if rank == 0:  # the slow reader: reads the others' values 0.2 s late
+        sources = shm.ShmTransport._sources
+
+        def slow(self: shm.ShmTransport, k: int, regions: list[torch.Tensor]) -> list[torch.Tensor]:
+            time.sleep(0.2)
+            return sources(self, k, regions)
+
+        shm.ShmTransport._sources = slow  # type: ignore[method-assign]
+    failures = []
+    with local_group(rank, world_size, port, timeout=60, transport="shm") as g:
+        vectors = g.submit("vectors", lambda: run_shared_vectors(g, 1, N, name="vectors")).wait()
+        assert vectors is not None
+        vector = vectors[0]
+        x = torch.randn(N, generator=torch.Generator().manual_seed(rank))
+        expected_rs = reduce_scatter(x, group=g)  # private tensors everywhere
+        expected_ag = all_gather(expected_rs, N, group=g)
+        for exposing in ({1}, {0, 2}, set(range(world_size))):
+            mine = rank in exposing
+            source = vector if mine else torch.empty(N)
+            source.copy_(x)
+            summed = reduce_scatter(source, group=g)
+            if mine:
+                source.fill_(float("nan"))  # at once: nobody may read it any more
+            if not torch.equal(summed, expected_rs):
+                failures.append(f"reduce_scatter, exposing {sorted(exposing)}")
+            target = vector if mine else torch.empty(N)
+            all_gather(summed, N, group=g, out=target)
+            gathered = target.clone()
+            if mine:
+                target.fill_(float("nan"))
+            if not torch.equal(gathered, expected_ag):
+                failures.append(f"all_gather, exposing {sorted(exposing)}")
+    return failures
+
+
+@pytest.mark.slow
+def test_vectors_read_in_place_give_the_private_bits() -> None:
+    results = run_ranks(shared_job, 3, free_port(), timeout=120)
+    assert [r.value for r in results] == [[], [], []], results
