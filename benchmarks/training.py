@@ -22,7 +22,14 @@ by round (A, B, C / B, C, A / ...):
   bucket's reduce-scatter started after backward), to show what starting
   them from the backward hooks gains;
 - ``1 process, 2 threads``: the whole global batch in one process with two
-  intra-op threads, no communication: what the same two cores do alone.
+  intra-op threads, no communication: what the same two cores do alone;
+- ``local step (no communication)``: each rank steps a plain copy of the model
+  on its own batch, both ranks at once, timed in the same rounds: the
+  compute floor of a step on these cores (forward, backward, SGD step; no
+  bucket, no byte travels). On a machine whose cores the two ranks' backward
+  passes already fill, a strategy's communication is CPU work added to this
+  (overlap hides waiting, not work), so its ratio to DDP bounds every
+  strategy's from below.
 
 A step is timed on rank 0 from the start of forward to the end of the
 optimizer step (synchronous strategies keep the ranks in lockstep). Reports
@@ -73,10 +80,12 @@ MODELS = {
 PEER = "DDP"
 TRANSPORTS = ["shm", "ring"]
 OWN_LOOP = ["prepare + allreduce", "prepare + sharded", "prepare + sharded (no overlap)"]
+FLOOR = "local step (no communication)"
 CONTENDERS = [
     PEER,
     *[f"gradhub {s} ({t})" for s in ("allreduce", "sharded") for t in TRANSPORTS],
     *OWN_LOOP,
+    FLOOR,
 ]
 BASELINE = "1 process, 2 threads"
 
@@ -149,6 +158,15 @@ def contenders(
             opt.step()
 
         steps[label], models[label] = own_loop, base_copy
+    local = copy.deepcopy(base)
+    local_opt = torch.optim.SGD(local.parameters(), lr=0.01)
+
+    def local_step() -> None:
+        local_opt.zero_grad(set_to_none=True)
+        loss_fn(local(x), y).backward()
+        local_opt.step()
+
+    steps[FLOOR], models[FLOOR] = local_step, local
     return steps, models, strategies
 
 
