@@ -8,7 +8,10 @@ every round. Per round and backend: the median time of ``--reps`` calls of
 1024-4096-4096-10 MLP (about 21M parameters, batch 32); and the same step with
 FSDP2's ``fully_shard`` on a mesh of the group. Reported: the median over the
 rounds, min and max, and the ratio gradhub / gloo per round (its median and
-spread). This machine's one-thread copy bandwidth and load are recorded.
+spread); for the steps also the CPU seconds rank 0's process spent per step
+(every thread, kernel included): the work, which load from other jobs on the
+machine inflates far less than the wall time. This machine's one-thread copy
+bandwidth and load are recorded.
 Goals: all-reduce <= 0.5x gloo from 4M elements up; DDP step <= 0.8x.
 
 Floors, timed in the same rounds (both ranks at once, as in the real step,
@@ -42,6 +45,7 @@ from _common import RESULTS, machine_note, rank_zero_result, spread, write_resul
 SIZES = [1 << 20, 4 << 20, 25 << 20]
 BACKENDS = ["gradhub", "gloo"]
 FLOORS = ["local step", "DDP step, no communication"]
+CPU = "[CPU s of rank 0's process]"
 
 
 def _mlp() -> torch.nn.Module:
@@ -56,14 +60,21 @@ def _mlp() -> torch.nn.Module:
 
 
 def _timed(fn: Callable[[], None], reps: int, group: Any) -> float:
+    return _timed_cpu(fn, reps, group)[0]
+
+
+def _timed_cpu(fn: Callable[[], None], reps: int, group: Any) -> tuple[float, float]:
+    """Median wall seconds of ``fn`` and median CPU seconds of this process
+    (every thread: the backend's, gloo's, the kernel's work for them) meanwhile."""
     fn()  # warm-up (buffers, transports)
-    samples = []
+    walls, cpus = [], []
     for _ in range(reps):
         dist.barrier(group=group)
-        begin = time.perf_counter()
+        begin, cpu = time.perf_counter(), time.process_time()
         fn()
-        samples.append(time.perf_counter() - begin)
-    return statistics.median(samples)
+        walls.append(time.perf_counter() - begin)
+        cpus.append(time.process_time() - cpu)
+    return statistics.median(walls), statistics.median(cpus)
 
 
 def _stepper(model: torch.nn.Module, rank: int) -> Callable[[], None]:
@@ -127,11 +138,13 @@ def rank_main(rank: int, port: int, rounds: int, reps: int, steps: int, queue: A
                 seconds = _timed(lambda t=t, g=g: dist.all_reduce(t, group=g), reps, g)
                 samples.setdefault(key, {}).setdefault(b, []).append(seconds)
             for key, table in (("DDP step", ddp), ("FSDP2 step", fsdp)):
-                seconds = _timed(table[b], steps, g)
+                seconds, cpu = _timed_cpu(table[b], steps, g)
                 samples.setdefault(key, {}).setdefault(b, []).append(seconds)
+                samples.setdefault(f"{key} {CPU}", {}).setdefault(b, []).append(cpu)
         for key, fn in floors.items():  # between the backends, alternating with them
-            floor = samples.setdefault("DDP step", {}).setdefault(key, [])
-            floor.append(_timed(fn, steps, groups["gloo"]))
+            seconds, cpu = _timed_cpu(fn, steps, groups["gloo"])
+            samples.setdefault("DDP step", {}).setdefault(key, []).append(seconds)
+            samples.setdefault(f"DDP step {CPU}", {}).setdefault(key, []).append(cpu)
     if rank == 0:
         queue.put(samples)
     dist.destroy_process_group()
@@ -172,7 +185,9 @@ def _markdown(report: dict[str, Any]) -> str:
             f"| {r['median']:.2f}x | {r['min']:.2f}-{r['max']:.2f}x |"
         )
     step = report["rows"].get("DDP step", {})
+    cpu = report["rows"].get(f"DDP step {CPU}", {})
     floors = [(f, step[f]) for f in FLOORS if f in step]
+    floors += [(f"{f} {CPU}", cpu[f]) for f in FLOORS if f in cpu]
     if floors:
         lines += [
             "",
