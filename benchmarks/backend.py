@@ -8,8 +8,19 @@ every round. Per round and backend: the median time of ``--reps`` calls of
 1024-4096-4096-10 MLP (about 21M parameters, batch 32); and the same step with
 FSDP2's ``fully_shard`` on a mesh of the group. Reported: the median over the
 rounds, min and max, and the ratio gradhub / gloo per round (its median and
-spread). This machine's one-thread copy bandwidth and load are recorded.
+spread); for the steps also the CPU seconds rank 0's process spent per step
+(every thread, kernel included): the work, which load from other jobs on the
+machine inflates far less than the wall time. This machine's one-thread copy
+bandwidth and load are recorded.
 Goals: all-reduce <= 0.5x gloo from 4M elements up; DDP step <= 0.8x.
+
+Floors, timed in the same rounds (both ranks at once, as in the real step,
+since they share the cores): ``local step``, the same forward, backward and
+SGD step on the plain model, no DDP, no communication; ``DDP step, no
+communication``, DDP with a comm hook that returns the bucket as it is (DDP's
+own bucket copies, nothing travels). Their ratio to the DDP step on gloo is
+the least any backend could reach: a backend adds its all-reduce's CPU work
+to the second on a machine whose cores the backward already fills.
 
     python benchmarks/backend.py --rounds 5
 """
@@ -33,6 +44,8 @@ from _common import RESULTS, machine_note, rank_zero_result, spread, write_resul
 
 SIZES = [1 << 20, 4 << 20, 25 << 20]
 BACKENDS = ["gradhub", "gloo"]
+FLOORS = ["local step", "DDP step, no communication"]
+CPU = "[CPU s of rank 0's process]"
 
 
 def _mlp() -> torch.nn.Module:
@@ -47,14 +60,21 @@ def _mlp() -> torch.nn.Module:
 
 
 def _timed(fn: Callable[[], None], reps: int, group: Any) -> float:
+    return _timed_cpu(fn, reps, group)[0]
+
+
+def _timed_cpu(fn: Callable[[], None], reps: int, group: Any) -> tuple[float, float]:
+    """Median wall seconds of ``fn`` and median CPU seconds of this process
+    (every thread: the backend's, gloo's, the kernel's work for them) meanwhile."""
     fn()  # warm-up (buffers, transports)
-    samples = []
+    walls, cpus = [], []
     for _ in range(reps):
         dist.barrier(group=group)
-        begin = time.perf_counter()
+        begin, cpu = time.perf_counter(), time.process_time()
         fn()
-        samples.append(time.perf_counter() - begin)
-    return statistics.median(samples)
+        walls.append(time.perf_counter() - begin)
+        cpus.append(time.process_time() - cpu)
+    return statistics.median(walls), statistics.median(cpus)
 
 
 def _stepper(model: torch.nn.Module, rank: int) -> Callable[[], None]:
@@ -68,6 +88,14 @@ def _stepper(model: torch.nn.Module, rank: int) -> Callable[[], None]:
         opt.step()
 
     return step
+
+
+def _unchanged(state, bucket):  # type: ignore[no-untyped-def]
+    """A DDP comm hook that sends nothing: the bucket as it is. (Unannotated:
+    DDP compares the annotations with its classes, and this module's are strings.)"""
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
 
 
 def rank_main(rank: int, port: int, rounds: int, reps: int, steps: int, queue: Any) -> None:
@@ -85,6 +113,12 @@ def rank_main(rank: int, port: int, rounds: int, reps: int, steps: int, queue: A
     groups = {"gradhub": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
     tensors = {n: torch.ones(n) for n in SIZES}
     ddp = {b: _stepper(DDP(_mlp(), process_group=groups[b]), rank) for b in BACKENDS}
+    silent = DDP(_mlp(), process_group=groups["gloo"])
+    silent.register_comm_hook(None, _unchanged)
+    floors = {
+        "local step": _stepper(_mlp(), rank),
+        "DDP step, no communication": _stepper(silent, rank),
+    }
     fsdp = {}
     for b in BACKENDS:
         model = _mlp()
@@ -104,8 +138,13 @@ def rank_main(rank: int, port: int, rounds: int, reps: int, steps: int, queue: A
                 seconds = _timed(lambda t=t, g=g: dist.all_reduce(t, group=g), reps, g)
                 samples.setdefault(key, {}).setdefault(b, []).append(seconds)
             for key, table in (("DDP step", ddp), ("FSDP2 step", fsdp)):
-                seconds = _timed(table[b], steps, g)
+                seconds, cpu = _timed_cpu(table[b], steps, g)
                 samples.setdefault(key, {}).setdefault(b, []).append(seconds)
+                samples.setdefault(f"{key} {CPU}", {}).setdefault(b, []).append(cpu)
+        for key, fn in floors.items():  # between the backends, alternating with them
+            seconds, cpu = _timed_cpu(fn, steps, groups["gloo"])
+            samples.setdefault("DDP step", {}).setdefault(key, []).append(seconds)
+            samples.setdefault(f"DDP step {CPU}", {}).setdefault(key, []).append(cpu)
     if rank == 0:
         queue.put(samples)
     dist.destroy_process_group()
@@ -114,12 +153,17 @@ def rank_main(rank: int, port: int, rounds: int, reps: int, steps: int, queue: A
 def _report(samples: dict[str, dict[str, list[float]]], rounds: int) -> dict[str, Any]:
     rows = {}
     for key, by_backend in samples.items():
-        ratios = [a / b for a, b in zip(by_backend["gradhub"], by_backend["gloo"], strict=True)]
+        gloo = by_backend["gloo"]
+        ratios = [a / b for a, b in zip(by_backend["gradhub"], gloo, strict=True)]
         rows[key] = {
             "gradhub_s": spread(by_backend["gradhub"]),
-            "gloo_s": spread(by_backend["gloo"]),
+            "gloo_s": spread(gloo),
             "ratio": spread(ratios),
         }
+        for floor in FLOORS:
+            if floor in by_backend:
+                per_round = [a / b for a, b in zip(by_backend[floor], gloo, strict=True)]
+                rows[key][floor] = {"s": spread(by_backend[floor]), "ratio": spread(per_round)}
     return {"rounds": rounds, "world_size": 2, "machine": machine_note(), "rows": rows}
 
 
@@ -140,6 +184,25 @@ def _markdown(report: dict[str, Any]) -> str:
             f"| {key} | {row['gradhub_s']['median']:.4f} | {row['gloo_s']['median']:.4f} "
             f"| {r['median']:.2f}x | {r['min']:.2f}-{r['max']:.2f}x |"
         )
+    step = report["rows"].get("DDP step", {})
+    cpu = report["rows"].get(f"DDP step {CPU}", {})
+    floors = [(f, step[f]) for f in FLOORS if f in step]
+    floors += [(f"{f} {CPU}", cpu[f]) for f in FLOORS if f in cpu]
+    if floors:
+        lines += [
+            "",
+            "Floors of the DDP step (no backend communicates; both ranks at once), "
+            "per round against the DDP step on gloo:",
+            "",
+            "| floor | median s | ratio to gloo's DDP step median | min-max |",
+            "|---|---|---|---|",
+        ]
+        for name, f in floors:
+            r = f["ratio"]
+            lines.append(
+                f"| {name} | {f['s']['median']:.4f} | {r['median']:.2f}x "
+                f"| {r['min']:.2f}-{r['max']:.2f}x |"
+            )
     lines += ["", "Goals: all-reduce <= 0.5x gloo from 4M up; DDP step <= 0.8x.", ""]
     return "\n".join(lines)
 

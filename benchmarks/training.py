@@ -22,10 +22,20 @@ by round (A, B, C / B, C, A / ...):
   bucket's reduce-scatter started after backward), to show what starting
   them from the backward hooks gains;
 - ``1 process, 2 threads``: the whole global batch in one process with two
-  intra-op threads, no communication: what the same two cores do alone.
+  intra-op threads, no communication: what the same two cores do alone;
+- ``local step (no communication)``: each rank steps a plain copy of the model
+  on its own batch, both ranks at once, timed in the same rounds: the
+  compute floor of a step on these cores (forward, backward, SGD step; no
+  bucket, no byte travels). On a machine whose cores the two ranks' backward
+  passes already fill, a strategy's communication is CPU work added to this
+  (overlap hides waiting, not work), so its ratio to DDP bounds every
+  strategy's from below.
 
 A step is timed on rank 0 from the start of forward to the end of the
-optimizer step (synchronous strategies keep the ranks in lockstep). Reports
+optimizer step (synchronous strategies keep the ranks in lockstep); the CPU
+seconds rank 0's process spent meanwhile (every thread, kernel included) are
+recorded too: the step's work, which load from other jobs inflates far less
+than its wall time (not taken for the single process). Reports
 the median step time over all timed steps, the min-max spread of the
 per-round medians, samples/s (global batch / median), the ratio of each
 median to DDP's (< 1: faster) and the median over rounds of the ratio of the
@@ -73,10 +83,12 @@ MODELS = {
 PEER = "DDP"
 TRANSPORTS = ["shm", "ring"]
 OWN_LOOP = ["prepare + allreduce", "prepare + sharded", "prepare + sharded (no overlap)"]
+FLOOR = "local step (no communication)"
 CONTENDERS = [
     PEER,
     *[f"gradhub {s} ({t})" for s in ("allreduce", "sharded") for t in TRANSPORTS],
     *OWN_LOOP,
+    FLOOR,
 ]
 BASELINE = "1 process, 2 threads"
 
@@ -149,6 +161,15 @@ def contenders(
             opt.step()
 
         steps[label], models[label] = own_loop, base_copy
+    local = copy.deepcopy(base)
+    local_opt = torch.optim.SGD(local.parameters(), lr=0.01)
+
+    def local_step() -> None:
+        local_opt.zero_grad(set_to_none=True)
+        loss_fn(local(x), y).backward()
+        local_opt.step()
+
+    steps[FLOOR], models[FLOOR] = local_step, local
     return steps, models, strategies
 
 
@@ -180,20 +201,27 @@ def rank_main(
                 fns[name]()
                 fns[name]()
             times: dict[str, list[list[float]]] = {name: [] for name in methods}
+            cpu: dict[str, list[float]] = {name: [] for name in methods}
             for r in range(rounds):
                 order = methods[r % len(methods) :] + methods[: r % len(methods)]
                 for name in order:
                     torch.distributed.barrier()
                     per_step = []
                     for _ in range(steps):
-                        t0 = time.perf_counter()
+                        t0, c0 = time.perf_counter(), time.process_time()
                         fns[name]()
                         per_step.append(time.perf_counter() - t0)
+                        cpu[name].append(time.process_time() - c0)
                     times[name].append(per_step)
             same_steps = [m for m in methods if "allreduce" in m]  # as many steps as DDP
             diff = _max_diff(nets[PEER], nets[same_steps[0]]) if same_steps else math.nan
             params = sum(p.numel() for p in nets[PEER].parameters())
-            report[label] = {"params": params, "times": times, "ddp_vs_allreduce_max_diff": diff}
+            report[label] = {
+                "params": params,
+                "times": times,
+                "cpu": cpu,
+                "ddp_vs_allreduce_max_diff": diff,
+            }
             for s in strategies:
                 s.close()
         ring.close()
@@ -249,6 +277,7 @@ def summarise(report: dict[str, Any], single: dict[str, list[list[float]]]) -> l
         all_times = {**entry["times"], BASELINE: single[label]}
         peer = statistics.median(t for rnd in all_times[PEER] for t in rnd)
         peer_rounds = [statistics.median(rnd) for rnd in all_times[PEER]]
+        cpu = {name: statistics.median(c) for name, c in entry.get("cpu", {}).items()}
         for name, rounds in all_times.items():
             flat = [t for rnd in rounds for t in rnd]
             med = statistics.median(flat)
@@ -270,10 +299,16 @@ def summarise(report: dict[str, Any], single: dict[str, list[list[float]]]) -> l
                     "paired_spread": [min(per_round), max(per_round)]
                     if name != BASELINE
                     else [math.nan, math.nan],
+                    "median_cpu_ms": cpu.get(name, math.nan) * 1e3,
+                    "cpu_ratio_to_ddp": cpu.get(name, math.nan) / cpu[PEER] if cpu else math.nan,
                     "ddp_vs_allreduce_max_diff": entry["ddp_vs_allreduce_max_diff"],
                 }
             )
     return rows
+
+
+def _ms(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.1f}"
 
 
 def _times(ratio: float) -> str:
@@ -283,8 +318,8 @@ def _times(ratio: float) -> str:
 def markdown(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| model | method | median step (ms) | round medians min-max (ms) | samples/s "
-        "| vs DDP | vs DDP, per round: median [min, max] |",
-        "| --- | --- | ---: | ---: | ---: | ---: | --- |",
+        "| vs DDP | vs DDP, per round: median [min, max] | CPU ms/step (rank 0) | CPU vs DDP |",
+        "| --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: |",
     ]
     for r in rows:
         lo, hi = r["spread_ms"]
@@ -297,7 +332,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
                 if math.isnan(r["paired_spread"][0])
                 else f" [{r['paired_spread'][0]:.2f}, {r['paired_spread'][1]:.2f}]"
             )
-            + " |"
+            + f" | {_ms(r['median_cpu_ms'])} | {_times(r['cpu_ratio_to_ddp'])} |"
         )
     return "\n".join(lines)
 

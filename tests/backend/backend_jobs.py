@@ -119,6 +119,38 @@ def operations_match_gloo(rank: int, world_size: int) -> dict[str, Any]:
 
     same("reduce_scatter AVG", rs_avg)
 
+    def rs_read_in_place(g: Any) -> list[torch.Tensor]:
+        # The transport reads the input where it lies: it must stay unchanged,
+        # PREMUL_SUM included, and an output that is this rank's own chunk of
+        # the input (an in-place reduce-scatter) must get the sum.
+        inp = _data(rank, torch.float32, 12 * world_size)
+        before = inp.clone()
+        out, scaled = torch.empty(12), torch.empty(12)
+        dist.reduce_scatter_tensor(out, inp, group=g)
+        if g is None:
+            dist.reduce_scatter_tensor(scaled, inp, op=dist._make_nccl_premul_sum(0.5), group=g)
+        else:  # gloo has no PREMUL_SUM: scale a copy first, as the backend does
+            dist.reduce_scatter_tensor(scaled, inp * 0.5, group=g)
+        assert torch.equal(inp, before), "reduce_scatter_tensor changed its input"
+        own = inp.view(world_size, 12)[rank]
+        if g is None:
+            dist.reduce_scatter_tensor(own, inp, group=g)
+        else:  # the reference: out of place, copied into the chunk
+            ref = torch.empty(12)
+            dist.reduce_scatter_tensor(ref, inp, group=g)
+            own.copy_(ref)
+        return [out, scaled, inp]
+
+    same("reduce_scatter_tensor reads its input in place", rs_read_in_place)
+
+    def coalesced_views(g: Any) -> list[torch.Tensor]:
+        # Tensors back to back in one storage are reduced where they lie.
+        base = _data(rank, torch.float32, 30)
+        dist.all_reduce_coalesced([base[:10], base[10:25], base[25:]], group=g)
+        return [base]
+
+    same("all_reduce_coalesced of adjacent views", coalesced_views)
+
     def a2a(g: Any) -> list[torch.Tensor]:
         inp = _data(rank, torch.float32, 4 * world_size)
         out = torch.empty_like(inp)

@@ -25,7 +25,15 @@ Numerics of the transport path (every rank ends with the same bits):
 - ``AVG`` is that sum divided by the group size on every rank;
   ``PREMUL_SUM(f)`` multiplies each rank's input by ``f`` before the sum.
 
-Non-contiguous tensors go through contiguous copies that are copied back.
+Non-contiguous tensors go through contiguous copies that are copied back;
+tensors that lie back to back in one storage (``reduce_scatter_tensor``'s
+chunks of one input) are read in place, as one vector.
+
+The bodies call the collectives' own bodies (:func:`gradhub.collective.ring.run_all_reduce`
+and its siblings) on the group's worker thread itself: the transports' group
+belongs to this process group alone and its operations already run one at a
+time, in call order, on that thread, so a second thread hop per operation
+would add a wake-up (two under load) and nothing else.
 """
 
 from __future__ import annotations
@@ -37,11 +45,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradhub.collective import CollectiveGroup, all_gather, all_reduce, reduce_scatter
+from gradhub import codecs
+from gradhub.collective import CollectiveGroup
+from gradhub.collective.ring import run_all_gather, run_all_reduce, run_reduce_scatter
 from gradhub.errors import UnsupportedTensorError
 
 RedOp: Any = dist.ReduceOp.RedOpType
 _TRANSPORT_OPS = (RedOp.SUM, RedOp.AVG, RedOp.PREMUL_SUM)
+_PLAIN = codecs.NoCompression()
 
 
 @dataclass(frozen=True)
@@ -92,18 +103,47 @@ def premultiply(tensors: Sequence[torch.Tensor], reduction: Reduction) -> None:
             t.mul_(reduction.factor)
 
 
-def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """One contiguous vector: the tensor itself when it is one, else a copy;
-    detached (the exchange is data movement, never recorded by autograd, also
-    for tensors that require grad: DDP with ``create_graph=True``)."""
-    if len(tensors) == 1 and tensors[0].is_contiguous():
-        return tensors[0].detach().view(-1)
-    return torch.cat([t.detach().reshape(-1) for t in tensors])
+def _flat(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, bool]:
+    """One contiguous vector of ``tensors`` and whether it is their own memory:
+    the tensors themselves when they are one contiguous tensor or contiguous
+    pieces back to back in one storage, else a copy; detached (the exchange is
+    data movement, never recorded by autograd, also for tensors that require
+    grad: DDP with ``create_graph=True``)."""
+    first = tensors[0].detach()
+    if _adjacent(tensors):
+        total = sum(t.numel() for t in tensors)
+        return first.as_strided((total,), (1,)), True
+    return torch.cat([t.detach().reshape(-1) for t in tensors]), False
+
+
+def _adjacent(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether ``tensors`` are contiguous, of one dtype, back to back in one storage."""
+    first = tensors[0]
+    if not first.is_contiguous():
+        return False
+    end = first.data_ptr() + first.numel() * first.element_size()
+    storage = first.untyped_storage().data_ptr()
+    for t in tensors[1:]:
+        if (
+            not t.is_contiguous()
+            or t.dtype != first.dtype
+            or t.untyped_storage().data_ptr() != storage
+            or t.data_ptr() != end
+        ):
+            return False
+        end += t.numel() * t.element_size()
+    return True
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory of contiguous ``a`` and ``b`` intersects."""
+    a_end = a.data_ptr() + a.numel() * a.element_size()
+    b_end = b.data_ptr() + b.numel() * b.element_size()
+    return a.data_ptr() < b_end and b.data_ptr() < a_end
 
 
 def _scatter_back(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
-    if len(tensors) == 1 and flat.data_ptr() == tensors[0].data_ptr():
-        return
+    """Copy ``flat`` (a copy :func:`_flat` made) back into ``tensors``."""
     offset = 0
     for t in tensors:
         n = t.numel()
@@ -116,13 +156,14 @@ def transport_all_reduce(
     ctx: Context, tensors: Sequence[torch.Tensor], reduction: Reduction
 ) -> None:
     """In-place fp32 all-reduce of ``tensors`` (coalesced into one vector)."""
-    flat = _flat(tensors)
+    flat, in_place = _flat(tensors)
     premultiply([flat], reduction)
     if ctx.size > 1:
-        all_reduce(flat, group=ctx.group).wait()
+        run_all_reduce(ctx.group, flat, _PLAIN)
     if reduction.kind == RedOp.AVG:
         flat.div_(ctx.size)
-    _scatter_back(flat, tensors)
+    if not in_place:
+        _scatter_back(flat, tensors)
 
 
 def transport_reduce_scatter(
@@ -130,13 +171,19 @@ def transport_reduce_scatter(
 ) -> None:
     """``output`` = this rank's chunk of the reduction of every rank's ``chunks``
     (one chunk per rank, each ``output``'s size)."""
-    flat = _flat(chunks)
-    if len(chunks) == 1:  # never scale the caller's input in place
-        flat = flat.clone() if reduction.kind == RedOp.PREMUL_SUM else flat
-    premultiply([flat], reduction)
+    flat, callers = _flat(chunks)
     direct = output.is_contiguous()
     out = output.detach() if direct else torch.empty_like(output.detach())
-    reduce_scatter(flat, group=ctx.group, out=out.view(-1))
+    # Never scale the caller's input; and read it in place only where the
+    # output is this rank's own chunk of it or lies outside it.
+    own = chunks[ctx.group.rank]
+    if callers and (
+        reduction.kind == RedOp.PREMUL_SUM
+        or (_overlaps(out, flat) and out.data_ptr() != own.data_ptr())
+    ):
+        flat = flat.clone()
+    premultiply([flat], reduction)
+    run_reduce_scatter(ctx.group, flat, _PLAIN, out=out.view(-1))
     if reduction.kind == RedOp.AVG:
         out.div_(ctx.size)
     if not direct:
@@ -153,7 +200,7 @@ def transport_all_gather(
     else:
         gathered = torch.empty(n * ctx.size, dtype=torch.float32)
     mine = tensor.detach().reshape(-1).contiguous()
-    all_gather(mine, n * ctx.size, group=ctx.group, out=gathered)
+    run_all_gather(ctx.group, mine, n * ctx.size, _PLAIN, out=gathered)
     if len(outputs) == 1:
         if gathered.data_ptr() != outputs[0].data_ptr():
             outputs[0].copy_(gathered.view_as(outputs[0]))
