@@ -159,12 +159,14 @@ class Channel(Exchange):
     def submit(self, req: Request) -> Pending:
         """Queue ``req`` (its ids, sequence number and deadline are set here) and send
         it from this thread if the sockets are free."""
-        if req.payload is not None and req.payload.device.type != "cpu":
-            req.payload, req.owned = req.payload.cpu(), True
-        if req.payload is not None and not req.payload.is_contiguous():
-            req.payload, req.owned = req.payload.contiguous(), True
-        if req.payload is not None:
-            req.nbytes = req.payload.numel() * req.payload.element_size()
+        payload = req.payload
+        if payload is not None:
+            if not payload.is_cpu:
+                payload, req.owned = payload.cpu(), True
+            if not payload.is_contiguous():
+                payload, req.owned = payload.contiguous(), True
+            req.payload = payload
+            req.nbytes = payload.numel() * payload.element_size()
         future = Pending(self)
         req.future = future
         with self._lock:
@@ -197,7 +199,7 @@ class Channel(Exchange):
         the way whether it is finite (:meth:`ClientArena.stage`); ``None`` when it
         does not go through an arena (then nothing was done)."""
         payload = req.payload
-        if payload is None or payload.device.type != "cpu" or not payload.is_contiguous():
+        if payload is None or not payload.is_cpu or not payload.is_contiguous():
             return None
         nbytes = payload.numel() * payload.element_size()
         with self._io:
