@@ -73,6 +73,9 @@ class Pending(Future[None]):
         self.finished = self.finished or cancelled
         return cancelled
 
+    def done(self) -> bool:
+        return self.finished or super().done()  # finished: no lock to take
+
     def result(self, timeout: float | None = None) -> None:
         return super().result(self._drive(timeout))
 
@@ -339,7 +342,9 @@ class Channel(Exchange):
                     if len(new) > 1 or not self._send_now(s, req, now):
                         s.queue.push(req.key, req, req.priority)
                 for i, s in enumerate(self._servers):
-                    self._send_ready(i, s, now)
+                    # Nothing queued, connected, no heartbeat due: _send_ready has nothing to do.
+                    if s.queue or not s.incarnation or now >= s.next_heartbeat:
+                        self._send_ready(i, s, now)
                 if now >= self._next_check:
                     self._next_check = now + _TICK
                     self._check_timers(now)
