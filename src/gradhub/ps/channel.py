@@ -48,7 +48,6 @@ from gradhub.ps.protocol import Message
 log = logging.getLogger(__name__)
 
 _TICK = 0.05  # seconds between checks of deadlines, retries and heartbeats
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 
 
 class Pending(Future[None]):
@@ -73,6 +72,9 @@ class Pending(Future[None]):
         cancelled = super().cancel()
         self.finished = self.finished or cancelled
         return cancelled
+
+    def done(self) -> bool:
+        return self.finished or super().done()  # finished: no lock to take
 
     def result(self, timeout: float | None = None) -> None:
         return super().result(self._drive(timeout))
@@ -160,12 +162,14 @@ class Channel(Exchange):
     def submit(self, req: Request) -> Pending:
         """Queue ``req`` (its ids, sequence number and deadline are set here) and send
         it from this thread if the sockets are free."""
-        if req.payload is not None and req.payload.device.type != "cpu":
-            req.payload, req.owned = req.payload.cpu(), True
-        if req.payload is not None and not req.payload.is_contiguous():
-            req.payload, req.owned = req.payload.contiguous(), True
-        if req.payload is not None:
-            req.nbytes = req.payload.numel() * req.payload.element_size()
+        payload = req.payload
+        if payload is not None:
+            if not payload.is_cpu:
+                payload, req.owned = payload.cpu(), True
+            if not payload.is_contiguous():
+                payload, req.owned = payload.contiguous(), True
+            req.payload = payload
+            req.nbytes = payload.numel() * payload.element_size()
         future = Pending(self)
         req.future = future
         with self._lock:
@@ -198,7 +202,7 @@ class Channel(Exchange):
         the way whether it is finite (:meth:`ClientArena.stage`); ``None`` when it
         does not go through an arena (then nothing was done)."""
         payload = req.payload
-        if payload is None or payload.device.type != "cpu" or not payload.is_contiguous():
+        if payload is None or not payload.is_cpu or not payload.is_contiguous():
             return None
         nbytes = payload.numel() * payload.element_size()
         with self._io:
@@ -228,27 +232,42 @@ class Channel(Exchange):
             return  # a callback of a reply being handled: its future cannot progress here
         deadline = math.inf if timeout is None else time.monotonic() + timeout
         poll = self._waiters_poll()
+        fds = self._zmq_fds
         with self._lock:
             self._drivers += 1
         try:
-            # Every pump ends by asking the sockets for messages (the zmq.FD contract),
-            # so this thread may sleep on their descriptors right away.
             while not future.finished and not self._stopping:
+                if not self._drained():
+                    # The zmq.FD contract: sleep on a socket's descriptor only after a
+                    # receive that found nothing (a pump that stopped at a reply did not).
+                    with self._io:
+                        self._pump(future)
+                    continue
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return
+                woke: list[int] = []
                 for fd, _ in poll.poll(min(left, _TICK) * 1000):
                     if fd == self._kick_r:
                         with contextlib.suppress(OSError):
                             os.read(self._kick_r, 4096)
+                    else:
+                        woke.append(fds.index(fd))
                 with self._io:
-                    self._pump()
+                    self._pump(future, woke)
         finally:
             with self._lock:
                 self._drivers -= 1
                 last = self._drivers == 0
+            if not last and not self._drained():
+                with self._io:
+                    self._pump()  # the other waiters sleep on the descriptors
             if last and self.busy():
                 self._wake()  # the I/O thread watches the sockets again
+
+    def _drained(self) -> bool:
+        """Whether every socket's last receive found nothing (see :meth:`_receive`)."""
+        return all(s.drained for s in self._servers)
 
     def _waiters_poll(self) -> select.poll:
         """This thread's poll of the kick pipe and the sockets (made once per thread:
@@ -303,10 +322,13 @@ class Channel(Exchange):
         with contextlib.suppress(OSError):
             os.write(self._wake_w, b"x")
 
-    def _pump(self) -> None:
+    def _pump(self, until: Pending | None = None, woke: Sequence[int] = ()) -> None:
         """Send what is ready and handle every reply waiting, until nothing is left
         (the caller holds ``_io``). Ends on a receive that found nothing, as
-        ``zmq.FD`` requires before anyone sleeps on it again."""
+        ``zmq.FD`` requires before anyone sleeps on it again, except when
+        ``until`` is done first (then the sockets may not be drained: see
+        :attr:`Link.drained`). ``woke``: the servers whose descriptor just said
+        they are readable (received from without asking first)."""
         if self._pump_owner or self._sockets_closed:
             return  # re-entered from a callback: the outer pump goes on
         self._pump_owner = threading.get_ident()
@@ -320,13 +342,18 @@ class Channel(Exchange):
                     if len(new) > 1 or not self._send_now(s, req, now):
                         s.queue.push(req.key, req, req.priority)
                 for i, s in enumerate(self._servers):
-                    self._send_ready(i, s, now)
+                    # Nothing queued, connected, no heartbeat due: _send_ready has nothing to do.
+                    if s.queue or not s.incarnation or now >= s.next_heartbeat:
+                        self._send_ready(i, s, now)
                 if now >= self._next_check:
                     self._next_check = now + _TICK
                     self._check_timers(now)
                 received = 0
                 for i in range(len(self._servers)):
-                    received += self._receive(i)  # each ends on a receive that found nothing
+                    received += self._receive(i, until, ask=i not in woke)
+                    if until is not None and until.finished:
+                        break
+                woke = ()
                 if self._submitted:
                     continue  # submitted meanwhile (by a callback or another thread)
                 if not received or not any(s.queue for s in self._servers):

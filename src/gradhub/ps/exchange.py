@@ -36,7 +36,7 @@ import logging
 import secrets
 import threading
 import time
-from typing import cast
+from concurrent.futures import Future
 
 import zmq
 
@@ -47,8 +47,6 @@ from gradhub.ps.link import MUTATING, Link, Request, closed_error, refused_error
 from gradhub.ps.protocol import Header, Message, Op, Status
 
 log = logging.getLogger(__name__)
-
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 
 
 class Exchange:
@@ -164,6 +162,7 @@ class Exchange:
         frames = protocol.encode(
             header, req.key, payload, meta=meta, secret=self._secret, arena=locator, pack=True
         )
+        s.drained = False  # a send may take the descriptor's signal of a message waiting
         try:
             wire.send(s.sock, frames)
         except zmq.ZMQError as exc:
@@ -175,17 +174,28 @@ class Exchange:
             s.arena.release(req)
         req.slot = None
 
-    def _receive(self, i: int) -> int:
-        """Handle the messages waiting from server ``i`` (at most 1000); how many."""
+    def _receive(self, i: int, until: Future[None] | None = None, *, ask: bool = True) -> int:
+        """Handle the messages waiting from server ``i`` (at most 1000); how many.
+
+        Ends on a receive that found nothing (``s.drained``), as ``zmq.FD``
+        requires before anyone sleeps on the socket's descriptor, except when
+        ``until`` is done: then it returns at once, the socket not drained (its
+        caller drains it if anyone else may sleep on it). ``ask=False``: the
+        descriptor just said the socket is readable; try a receive at once."""
         s = self._servers[i]
         for n in range(1000):
-            # Asking first spares the zmq.Again exception, the dearest part of an empty receive.
-            if not cast(int, s.sock.getsockopt(_EVENTS)) & _POLLIN:
+            # Asking first spares the zmq.Again exception, the dearest part of an empty
+            # receive; zmq_poll asks for ZMQ_EVENTS for half the cost of getsockopt.
+            if ask and not zmq.zmq_poll(s.poll_items, 0):
+                s.drained = True
                 return n
+            ask = True
             try:
                 frames = wire.receive(s.sock)
             except zmq.Again:
+                s.drained = True
                 return n
+            s.drained = False
             try:
                 msg = protocol.decode(
                     frames,
@@ -204,6 +214,8 @@ class Exchange:
                 log.warning("dropped a reply from %s: %s", s.address, exc)
                 continue
             self._handle(s, msg)
+            if until is not None and until.done():
+                return n + 1
         return 1000
 
     def _fail_server(self, s: Link, exc: GradhubError) -> None:

@@ -9,9 +9,11 @@ helpers send and receive frame by frame:
   small ones); a ``memoryview`` frame (a tensor's memory, see
   :func:`gradhub.ps.protocol.tensor_frame`) is handed over without a copy, and
   ZeroMQ keeps it alive until it is sent.
-- :func:`receive`: the first frame as ``bytes`` (a ROUTER's routing id, or a
-  client's whole packed message), the rest as ``zmq.Frame`` (a large payload
-  is not copied; the server reads the sender's address from one).
+- :func:`receive`: the first frame as ``bytes`` (a client's whole packed
+  message), the rest as ``zmq.Frame`` (a large payload is not copied).
+- :func:`receive_routed`: the same on a ROUTER, whose first frame is the
+  routing id (``bytes``), always followed by more: the frames after it are
+  ``zmq.Frame``, whose ``more`` spares asking the socket (``RCVMORE``) per frame.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 
 import zmq
 
-__all__ = ["receive", "send"]
+__all__ = ["receive", "receive_routed", "send"]
 
 _SNDMORE, _RCVMORE, _NOBLOCK = int(zmq.SNDMORE), int(zmq.RCVMORE), int(zmq.NOBLOCK)
 
@@ -38,4 +40,15 @@ def receive(sock: zmq.Socket[Any]) -> list[Any]:
     frames: list[Any] = [sock.recv(_NOBLOCK)]
     while sock.get(_RCVMORE):
         frames.append(sock.recv(_NOBLOCK, copy=False))
+    return frames
+
+
+def receive_routed(sock: zmq.Socket[Any]) -> list[Any]:
+    """The frames of the next message on a ROUTER, without blocking (``zmq.Again`` if none)."""
+    frames: list[Any] = [sock.recv(_NOBLOCK)]
+    frame = sock.recv(_NOBLOCK, copy=False)
+    frames.append(frame)
+    while frame.more:
+        frame = sock.recv(_NOBLOCK, copy=False)
+        frames.append(frame)
     return frames

@@ -67,6 +67,11 @@ class Link:
     next_heartbeat: float = 0.0
     failure: GradhubError | None = None  # fails every request to this server at once
     arena: ClientArena | None = None  # the shared arena, on the same host
+    drained: bool = True  # the last receive found nothing (zmq.FD will signal anew)
+    poll_items: list[tuple[Any, int]] = field(default_factory=list)  # zmq_poll's, for sock
+
+    def __post_init__(self) -> None:
+        self.poll_items = [(self.sock, zmq.POLLIN)]
 
     def prune(self, durable: int) -> None:
         """Forget the retained requests the server has on disk (``seq <= durable``)."""

@@ -47,6 +47,7 @@ _OPS = {int(o): o for o in Op}  # a dict lookup costs a fraction of Op(code)
 _STATUSES = {int(s): s for s in Status}
 _ITEMSIZE = {c: torch.empty((), dtype=d).element_size() for c, d in DTYPES.items()}
 _CODEC_CODES = {name: i for i, name in enumerate(CODECS)}
+_ZEROS = (0,) * MAX_NDIM
 
 
 def _mac(secret: bytes, parts: Sequence[Any]) -> bytes:
@@ -78,35 +79,42 @@ def encode(
         raise ValueError(
             f"key {key[:40]!r}... is {len(key_bytes)} bytes; the limit is {MAX_KEY_BYTES}"
         )
+    data: Any
     if isinstance(payload, torch.Tensor):
-        if payload.dim() > MAX_NDIM:
+        shape = tuple(payload.shape)
+        if len(shape) > MAX_NDIM:
             raise ValueError(f"tensors of more than {MAX_NDIM} dimensions cannot be sent")
         header.dtype = payload.dtype
-        header.shape = tuple(payload.shape)
-        data: Any = tensor_frame(payload)
-        header.payload_len = payload.numel() * payload.element_size()
+        header.shape = shape
+        data = tensor_frame(payload)
+        header.payload_len = len(data) if isinstance(data, bytes) else data.nbytes
     else:
         data = b"" if payload is None else payload
-        header.payload_len = memoryview(data).nbytes
+        header.payload_len = len(data) if isinstance(data, bytes) else memoryview(data).nbytes
         header.dtype, header.shape = None, ()
     signed = data
     if arena is not None:
         data = arena
-    packed = pack and memoryview(data).nbytes <= PACK_MAX
+    size = len(data) if isinstance(data, bytes) else memoryview(data).nbytes
+    packed = pack and size <= PACK_MAX
     flags = header.flags & ~FLAG_PACKED
-    flags |= (FLAG_MAC if secret else 0) | (FLAG_ARENA if arena is not None else 0)
-    flags |= FLAG_PACKED if packed else 0
+    if secret:
+        flags |= FLAG_MAC
+    if arena is not None:
+        flags |= FLAG_ARENA
+    if packed:
+        flags |= FLAG_PACKED
     header.flags = flags
-    shape = list(header.shape) + [0] * (MAX_NDIM - len(header.shape))
+    shape = header.shape
     head = _HEADER.pack(
         MAGIC,
         VERSION,
-        int(header.op),
+        header.op,
         flags,
-        int(header.status),
+        header.status,
         0 if header.dtype is None else dtype_code(header.dtype),
         _CODEC_CODES[header.codec],
-        len(header.shape),
+        len(shape),
         len(key_bytes),
         header.worker_id,
         header.priority,
@@ -117,13 +125,15 @@ def encode(
         header.aux,
         header.payload_len,
         *shape,
+        *_ZEROS[len(shape) :],
     )
-    frames: list[Any] = [head, key_bytes, meta, data]
     if secret:
+        frames: list[Any] = [head, key_bytes, meta, data]
         frames.append(_mac(secret, frames if arena is None else [*frames, signed]))
+        return [b"".join(frames)] if packed else frames
     if packed:
-        return [b"".join(frames)]
-    return frames
+        return [b"".join((head, key_bytes, meta, data))]
+    return [head, key_bytes, meta, data]
 
 
 def decode(

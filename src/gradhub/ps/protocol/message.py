@@ -202,7 +202,7 @@ def tensor_frame(tensor: torch.Tensor) -> memoryview | bytes:
     until the send is done.
     """
     t = tensor.detach()
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         t = t.cpu()
     if t.numel() == 0:
         return b""
