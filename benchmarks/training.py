@@ -120,16 +120,20 @@ def contenders(
     steps: dict[str, Callable[[], None]] = {}
     models: dict[str, nn.Module] = {}
 
+    def loop_step(model: Any, opt: torch.optim.Optimizer) -> Callable[[], None]:
+        """A plain loop's step: zero_grad, forward, backward, step."""
+
+        def step() -> None:
+            opt.zero_grad(set_to_none=True)
+            loss_fn(model(x), y).backward()
+            opt.step()
+
+        return step
+
     ddp_model = copy.deepcopy(base)
     ddp = nn.parallel.DistributedDataParallel(ddp_model, process_group=ddp_group)
-    ddp_opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
-
-    def ddp_step() -> None:
-        ddp_opt.zero_grad(set_to_none=True)
-        loss_fn(ddp(x), y).backward()
-        ddp_opt.step()
-
-    steps[PEER], models[PEER] = ddp_step, ddp_model
+    steps[PEER] = loop_step(ddp, torch.optim.SGD(ddp.parameters(), lr=0.01))
+    models[PEER] = ddp_model
     strategies: list[Any] = []
     for name, transport in itertools.product(("allreduce", "sharded"), TRANSPORTS):
         model = copy.deepcopy(base)
@@ -154,22 +158,10 @@ def contenders(
             **({"overlap": False} if "no overlap" in label else {}),
         )
         strategies.append(model.strategy)
-
-        def own_loop(model: Any = model, opt: Any = opt) -> None:
-            opt.zero_grad(set_to_none=True)
-            loss_fn(model(x), y).backward()
-            opt.step()
-
-        steps[label], models[label] = own_loop, base_copy
+        steps[label], models[label] = loop_step(model, opt), base_copy
     local = copy.deepcopy(base)
-    local_opt = torch.optim.SGD(local.parameters(), lr=0.01)
-
-    def local_step() -> None:
-        local_opt.zero_grad(set_to_none=True)
-        loss_fn(local(x), y).backward()
-        local_opt.step()
-
-    steps[FLOOR], models[FLOOR] = local_step, local
+    steps[FLOOR] = loop_step(local, torch.optim.SGD(local.parameters(), lr=0.01))
+    models[FLOOR] = local
     return steps, models, strategies
 
 
