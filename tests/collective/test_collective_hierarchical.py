@@ -15,6 +15,7 @@ import hashlib
 import itertools
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -200,8 +201,11 @@ def test_two_hosts_of_two_ranks_sum_each_host_first_and_name_a_killed_rank(
         # Rank 2 shares rank 3's host (shared memory sees its process end);
         # ranks 0 and 1 are on the other host (rank 1's ring peer is rank 3,
         # rank 0's is rank 2, which leaves alive and answers the roll call).
+        # On a loaded machine a live rank may answer the roll call too late and
+        # be named beside rank 3; rank 3 must always be named.
         error = str(r.value["error"])
-        assert "rank(s) 3 died" in error or "rank 3 (pid" in error, error
+        named = re.search(r"rank\(s\) ([\d, ]+) died", error)
+        assert "rank 3 (pid" in error or (named and "3" in named[1].split(", ")), error
         assert float(r.value["elapsed"]) < 15, r.value  # not the 20 s timeout
     results = [r.value for r in ranks[:3]] + [json.loads((tmp_path / "rank3.json").read_text())]
     for r in results:
