@@ -127,13 +127,10 @@ def encode(
         *shape,
         *_ZEROS[len(shape) :],
     )
+    frames: list[Any] = [head, key_bytes, meta, data]
     if secret:
-        frames: list[Any] = [head, key_bytes, meta, data]
         frames.append(_mac(secret, frames if arena is None else [*frames, signed]))
-        return [b"".join(frames)] if packed else frames
-    if packed:
-        return [b"".join((head, key_bytes, meta, data))]
-    return [head, key_bytes, meta, data]
+    return [b"".join(frames)] if packed else frames
 
 
 def decode(
