@@ -1,9 +1,9 @@
 """A selection of torch's own distributed suite on the gradhub backend.
 
 The full list (gloo and gradhub side by side) is ``make test-torch-dist``
-(:mod:`torch_dist_suite`). These three, inside the normal suite's budget, cover
-DDP (all-reduce on the transports, broadcast), the transports' all-gather and
-an operation that runs on the inner gloo group; every operation is checked
+(:mod:`torch_dist_suite`). These two, inside the normal suite's budget, cover
+DDP (all-reduce on the transports, broadcast) and the transports' all-gather;
+every operation, those that run on the inner gloo group included, is checked
 against gloo in ``test_backend_operations.py``.
 """
 
@@ -19,7 +19,6 @@ import pytest
 SELECTION = [
     "test_DistributedDataParallelCPU",
     "test_all_gather_coalesced_simple",
-    "test_reduce_sum",
 ]
 
 

@@ -234,7 +234,7 @@ def _digits_accuracy(rank: int, world_size: int) -> dict[str, float]:
             result = trainer.fit(
                 (x[train], y[train]),
                 eval_data=(x[test], y[test]),
-                epochs=20,
+                epochs=10,
                 batch_size=64,
                 progress=False,
             )
