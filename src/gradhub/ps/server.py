@@ -313,9 +313,10 @@ class Server(Service):
         """(locator, the copy of ``value`` in the segment the pull named), or
         ``(None, a snapshot)`` when it does not fit there (the reply carries it)."""
         assert self._arenas is not None
-        nbytes = value.numel() * value.element_size()
         try:
-            where = self._arenas.destination(msg.header.session, msg.meta_json(), nbytes)
+            where = self._arenas.destination(
+                msg.header.session, msg.meta_json(), value, msg.header.request_id
+            )
         except ProtocolError:
             where = None
         if where is None or not value.is_contiguous():

@@ -54,6 +54,7 @@ import os
 from gradhub._shm.memory import supported
 from gradhub.ps.arena.client import DEFAULT_CACHE_BYTES, DEFAULT_MIN_BYTES, ClientArena, Slot
 from gradhub.ps.arena.server import ServerArenas
+from gradhub.ps.arena.shared import SharedTensors
 
 __all__ = [
     "ARENA_ENV",
@@ -61,6 +62,7 @@ __all__ = [
     "DEFAULT_MIN_BYTES",
     "ClientArena",
     "ServerArenas",
+    "SharedTensors",
     "Slot",
     "enabled",
 ]
