@@ -75,7 +75,7 @@ class Server(Service):
         self._closed = False
         self._flushes: list[Message] = []
         self._held: list[list[Any]] = []  # replies waiting for the log's sync
-        self.counters.update(arena_payloads=0, arena_replies=0)
+        self.counters.update(arena_payloads=0, arena_replies=0, arena_shared_replies=0)
         self._restore()
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -325,6 +325,8 @@ class Server(Service):
         copy = region.view(value.dtype).view(value.shape)
         copy.copy_(value)
         self.counters["arena_replies"] += 1
+        if protocol.ARENA_LOCATOR.unpack(locator)[0] >= arena.FIRST_SHARED_ID:
+            self.counters["arena_shared_replies"] += 1  # into a user's tensor
         return locator, copy
 
     def _send(self, frames: list[Any]) -> None:

@@ -54,12 +54,13 @@ import os
 from gradhub._shm.memory import supported
 from gradhub.ps.arena.client import DEFAULT_CACHE_BYTES, DEFAULT_MIN_BYTES, ClientArena, Slot
 from gradhub.ps.arena.server import ServerArenas
-from gradhub.ps.arena.shared import SharedTensors
+from gradhub.ps.arena.shared import FIRST_SHARED_ID, SharedTensors
 
 __all__ = [
     "ARENA_ENV",
     "DEFAULT_CACHE_BYTES",
     "DEFAULT_MIN_BYTES",
+    "FIRST_SHARED_ID",
     "ClientArena",
     "ServerArenas",
     "SharedTensors",

@@ -133,6 +133,8 @@ class ClientArena:
         except (OSError, KeyError, ValueError) as exc:
             self._sock.close()
             raise OSError(f"shared arena unavailable: {exc}") from exc
+        self._readable = select.poll()
+        self._readable.register(self._sock.fileno(), select.POLLIN)
         if shared is not None:
             shared.listen(self)
 
@@ -303,7 +305,9 @@ class ClientArena:
 
     def alive(self) -> bool:
         """Read what the server sent; ``False`` once the connection has ended."""
-        while True:
+        # Asked first: the socket has a timeout (for its sends), so a receive that
+        # finds nothing would wait for it instead of failing at once.
+        while self._readable.poll(0):
             try:
                 data = self._sock.recv(16, socket.MSG_DONTWAIT)
             except BlockingIOError:
@@ -316,6 +320,7 @@ class ClientArena:
                 self.said_bye = True
             elif data[:1] == CANCELLED and len(data) == 1 + RID.size:
                 self.confirmed.append(RID.unpack(data[1:])[0])
+        return True
 
     def ended(self, address: str, timeout: float) -> WorkerFailedError | None:
         """Once the connection has ended (:meth:`alive` said so): the error that fails
