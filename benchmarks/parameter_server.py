@@ -466,7 +466,8 @@ def _floor(nbytes: int, op: str, copy_gbps: float, system: str = "gradhub") -> f
 def _goals(per_round: dict[tuple[str, str, str], list[float]]) -> list[dict[str, Any]]:
     """The same-host targets, each a ratio of p50s taken in the same rounds:
     push/pull bandwidth of gradhub (arena), gradhub shared (the user's tensors in
-    the arena) and gradhub zmq over torch.rpc's at 16 and 64 MB, and gradhub's 4-byte push p50 over the raw ZeroMQ echo's."""
+    the arena) and gradhub zmq over torch.rpc's at 16 and 64 MB, and gradhub's
+    4-byte push p50 over the raw ZeroMQ echo's."""
     out = []
 
     def ratio(label: str, op: str, num: str, den: str) -> tuple[float, float, float] | None:

@@ -70,40 +70,43 @@ def test_shared_tensors_give_the_copying_paths_bits_without_a_client_copy() -> N
     tensors of ``empty_like`` (read and written where they lie) and through ordinary
     ones (copied) leave the same bits on the servers and in the pulled tensors."""
     config = ServerConfig(optimizer="adam", lr=0.01, secret=SECRET)
-    with start_server(config, in_thread=True) as a, start_server(config, in_thread=True) as b:
-        with RemoteParameterServer(
+    with (
+        start_server(config, in_thread=True) as a,
+        start_server(config, in_thread=True) as b,
+        RemoteParameterServer(
             [a.address, b.address], worker_id=1, secret=SECRET, timeout=30, slice_bytes=64 << 10
-        ) as ps:
-            gen = torch.Generator().manual_seed(0)
-            init, grads = torch.randn(N, generator=gen), torch.randn(3, N, generator=gen)
-            value = ps.shared_like(init)
-            grad = ps.empty_like(init)
-            out = ps.empty_like(init)
-            assert ps.in_arena(grad) and ps.in_arena(out[N // 2 :])
-            assert not ps.in_arena(init) and not ps.in_arena(grad[::2])
-            pointers = (grad.data_ptr(), out.data_ptr())
-            ps.init("shared", value)
-            for g in grads:
-                grad.copy_(g)
-                ps.push("shared", grad).result(30)
-            ps.pull("shared", out).result(30)
-            assert _private_slots(ps) == 0  # nothing was copied into a private segment
-            assert (grad.data_ptr(), out.data_ptr()) == pointers  # nor reallocated
-            assert torch.equal(grad, grads[-1])  # the push left the gradient as it was
+        ) as ps,
+    ):
+        gen = torch.Generator().manual_seed(0)
+        init, grads = torch.randn(N, generator=gen), torch.randn(3, N, generator=gen)
+        value = ps.shared_like(init)
+        grad = ps.empty_like(init)
+        out = ps.empty_like(init)
+        assert ps.in_arena(grad) and ps.in_arena(out[N // 2 :])
+        assert not ps.in_arena(init) and not ps.in_arena(grad[::2])
+        pointers = (grad.data_ptr(), out.data_ptr())
+        ps.init("shared", value)
+        for g in grads:
+            grad.copy_(g)
+            ps.push("shared", grad).result(30)
+        ps.pull("shared", out).result(30)
+        assert _private_slots(ps) == 0  # nothing was copied into a private segment
+        assert (grad.data_ptr(), out.data_ptr()) == pointers  # nor reallocated
+        assert torch.equal(grad, grads[-1])  # the push left the gradient as it was
 
-            ps.init("plain", init.clone())
-            for g in grads:
-                ps.push("plain", g.clone()).result(30)
-            plain = torch.empty(N)
-            ps.pull("plain", plain).result(30)
-            assert _private_slots(ps) > 0  # ordinary tensors still take the copying path
+        ps.init("plain", init.clone())
+        for g in grads:
+            ps.push("plain", g.clone()).result(30)
+        plain = torch.empty(N)
+        ps.pull("plain", plain).result(30)
+        assert _private_slots(ps) > 0  # ordinary tensors still take the copying path
 
-            # the same float operations on the same bytes, whichever way they travelled
-            assert torch.equal(out, plain)
-            half = torch.empty(N)
-            ps.pull("shared", half).result(30)  # an ordinary tensor pulled from it
-            assert torch.equal(half, plain)
-            counters = [s["counters"] for s in ps.stats()]
+        # the same float operations on the same bytes, whichever way they travelled
+        assert torch.equal(out, plain)
+        half = torch.empty(N)
+        ps.pull("shared", half).result(30)  # an ordinary tensor pulled from it
+        assert torch.equal(half, plain)
+        counters = [s["counters"] for s in ps.stats()]
     assert sum(c["push_applied"] for c in counters) == 2 * 3 * 2  # 2 keys, 3 pushes, 2 slices
     assert sum(c["dropped_unauthenticated"] for c in counters) == 0
     assert all(c["arena_replies"] >= 2 and c["arena_shared_replies"] == 1 for c in counters)
@@ -115,29 +118,31 @@ def test_retried_requests_of_shared_tensors_apply_once_and_never_write_late() ->
     (its retries are duplicates), the pull is answered into the tensor by its first
     send only: a retry, answered later through a private segment, does not write
     into the tensor the user has moved on with."""
-    with start_server(ServerConfig(optimizer="sgd", lr=1.0)) as server:
-        with RemoteParameterServer(
+    with (
+        start_server(ServerConfig(optimizer="sgd", lr=1.0)) as server,
+        RemoteParameterServer(
             server.address, worker_id=1, timeout=30, retry_interval=0.1, heartbeat_interval=0.1
-        ) as ps:
-            ps.init("w", torch.zeros(N))
-            grad = ps.shared_like(torch.ones(N))
-            with _stopped(server):
-                pushed = ps.push("w", grad)
-                time.sleep(0.6)  # several retries queue up behind the first send
-            pushed.result(30)
-            out = ps.empty_like(grad)
-            with _stopped(server):
-                pulled = ps.pull("w", out)
-                time.sleep(0.6)
-            pulled.result(30)
-            assert torch.equal(out, torch.full((N,), -1.0))
-            out.fill_(7.0)  # the user moves on with the tensor
-            ps.push("w", grad).result(30)
-            later = torch.empty(N)
-            ps.pull("w", later).result(30)  # after every retry of the first pull (one lane)
-            assert torch.equal(later, torch.full((N,), -2.0))
-            assert torch.equal(out, torch.full((N,), 7.0))  # no retry wrote into it
-            counters = ps.stats()[0]["counters"]
+        ) as ps,
+    ):
+        ps.init("w", torch.zeros(N))
+        grad = ps.shared_like(torch.ones(N))
+        with _stopped(server):
+            pushed = ps.push("w", grad)
+            time.sleep(0.6)  # several retries queue up behind the first send
+        pushed.result(30)
+        out = ps.empty_like(grad)
+        with _stopped(server):
+            pulled = ps.pull("w", out)
+            time.sleep(0.6)
+        pulled.result(30)
+        assert torch.equal(out, torch.full((N,), -1.0))
+        out.fill_(7.0)  # the user moves on with the tensor
+        ps.push("w", grad).result(30)
+        later = torch.empty(N)
+        ps.pull("w", later).result(30)  # after every retry of the first pull (one lane)
+        assert torch.equal(later, torch.full((N,), -2.0))
+        assert torch.equal(out, torch.full((N,), 7.0))  # no retry wrote into it
+        counters = ps.stats()[0]["counters"]
     assert counters["push_applied"] == 2 and counters["push_duplicate"] >= 1
     assert counters["pull"] >= 3  # the first pull's retries were answered too, but
     assert counters["arena_shared_replies"] == 1  # only its first send into the tensor
