@@ -19,6 +19,7 @@ import torch
 from gradhub import (
     ClosedError,
     DtypeMismatchError,
+    NonFiniteError,
     RemoteParameterServer,
     ServerConfig,
     ServerTimeoutError,
@@ -250,6 +251,17 @@ def test_overlapping_requests_and_mismatched_pulls_are_refused_at_the_call() -> 
         with pytest.raises(DtypeMismatchError):
             ps.pull("w", ints).result(20)
         assert torch.equal(ints, torch.full((N,), 9, dtype=torch.int32))
+
+        # NaN in a shared gradient: refused by the server (the client does not read
+        # it a second time), so through the future; nothing applied.
+        g[-1] = float("nan")
+        with pytest.raises(NonFiniteError):
+            ps.push("w", g).result(20)
+        with RemoteParameterServer(server.address, worker_id=2, nonfinite="skip") as skipping:
+            shared_nan = skipping.shared_like(g)
+            assert skipping.push("w", shared_nan).result(20) is None and skipping.skipped == 1
+        ps.pull("w", t).result(20)
+        assert torch.equal(t, torch.full((N,), -1.0))
     with pytest.raises(ClosedError):
         ps.empty_like(t)
 

@@ -150,6 +150,9 @@ class ParameterServer(abc.ABC):
         client. Elsewhere it is an ordinary tensor. Either way it is yours: use
         it as any tensor; the rule of every asynchronous call holds, only more
         strictly: a push reads it, a pull writes it, until its future is done.
+        A push of it is checked for NaN and infinity by the server alone (one
+        read of it, not two): with ``nonfinite="error"`` a refusal is the
+        future's ``NonFiniteError`` (nothing applied), not raised at the call.
         """
         return torch.empty(like.shape, dtype=like.dtype)
 

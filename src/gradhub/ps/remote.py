@@ -16,10 +16,10 @@ replica, no codec): do not modify it until the future is done.
 
 Servers on this host: payloads of ``arena_min_bytes`` or more travel through
 a shared-memory arena instead of ZeroMQ (:mod:`gradhub.ps.arena`: a push is
-copied once into it, a pull once out of it); ``arena=False`` or
-``GRADHUB_PS_ARENA=0`` keeps them on ZeroMQ. A server process on this host
-that dies without checkpoints fails its requests at once with
-``WorkerFailedError`` (seen through the arena), not after ``timeout``.
+copied once into it, a pull once out of it, a tensor of :meth:`empty_like`
+not at all); ``arena=False`` or ``GRADHUB_PS_ARENA=0`` keeps them on ZeroMQ.
+A server process on this host that dies without checkpoints fails its
+requests at once with ``WorkerFailedError`` (seen through the arena).
 """
 
 from __future__ import annotations
@@ -182,12 +182,14 @@ class RemoteParameterServer(ParameterServer):
                     meta=meta,
                 )
             )
-        if floating and codec == "none" and not self._stage_finite(requests):
+        # A tensor of empty_like is checked by its server alone (one read, not two).
+        served = self.nonfinite == "error" and self._shared.find(total) is not None
+        if floating and codec == "none" and not served and not self._stage_finite(requests):
             return self._refuse(key)
         held = None if owned else self._shared.claim(total, writes=False, what=f"push of {key!r}")
-        future = _all_of(self._channel, [self._channel.submit(r) for r in requests])
-        self._shared.hold(future, [held])
-        return future
+        return self._shared.hold(
+            _all_of(self._channel, [self._channel.submit(r) for r in requests]), [held]
+        )
 
     def _stage_finite(self, requests: list[Request]) -> bool:
         """Whether the payloads of ``requests`` hold no NaN or infinity. A payload that
@@ -247,13 +249,10 @@ class RemoteParameterServer(ParameterServer):
             )
             for piece in pieces
         ]
-        future = _all_of(self._channel, futures)
-        self._shared.hold(future, [held])
-        return future
+        return self._shared.hold(_all_of(self._channel, futures), [held])
 
     def empty_like(self, like: torch.Tensor) -> torch.Tensor:
-        self._check_open()
-        return self._shared.empty(like.shape, like.dtype)
+        return self._shared.empty(like.shape, like.dtype)  # ClosedError once closed
 
     def in_arena(self, tensor: torch.Tensor) -> bool:
         return self._shared.find(tensor) is not None

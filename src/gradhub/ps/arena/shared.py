@@ -37,6 +37,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -44,6 +45,8 @@ from gradhub._shm.memory import new_segment
 from gradhub.errors import ClosedError, StateError
 
 __all__ = ["FIRST_SHARED_ID", "SharedSegment", "SharedTensors"]
+
+F = TypeVar("F", bound=Future[None])
 
 FIRST_SHARED_ID = 1 << 31
 """Segment ids of user tensors start here; a client's private segments stay below."""
@@ -150,11 +153,12 @@ class SharedTensors:
         return release
 
     @staticmethod
-    def hold(future: Future[None], releases: list[Callable[[], None] | None]) -> None:
-        """Call the ``releases`` of :meth:`claim` once ``future`` is done."""
+    def hold(future: F, releases: list[Callable[[], None] | None]) -> F:
+        """``future``, which calls the ``releases`` of :meth:`claim` once done."""
         mine = [r for r in releases if r is not None]
         if mine:
             future.add_done_callback(lambda _f: [r() for r in mine])
+        return future
 
     # ------------------------------------------------------------ the arenas
     def listen(self, arena: object) -> None:
