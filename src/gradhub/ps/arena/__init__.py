@@ -51,9 +51,11 @@ writes the value into it (one copy, the server's). Why that stays exact:
   client sends ``C`` (cancel) on the Unix socket and fails the pull only once
   the server answers ``c``, which it does from its loop, between requests;
   before writing into a user's tensor the server reads that socket and skips a
-  cancelled request. A server whose process ended cannot write; one that
-  confirms nothing within another timeout fails the pull with a message that
-  the tensor may still change.
+  cancelled request. (The two channels are not ordered: a pull answered just
+  before the server read the cancel fails too, its value already written; no
+  write follows the confirmation.) A server whose process ended cannot write;
+  one that confirms nothing within another timeout fails the pull with a
+  message that the tensor may still change.
 - Closing: the client half-closes each connection that lent user tensors and
   waits (up to 5 s) until the server, from its loop, has ended its side and
   unmapped them; the tensors then stay mapped in the client, ordinary memory.

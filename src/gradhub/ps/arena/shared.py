@@ -19,7 +19,7 @@ arena's module docstring says why each holds):
   of its request; a retry or a replay names a private segment instead (copied
   out by the client). A pull the client gives up on (its deadline) is
   cancelled first: the future fails only once the server confirmed that it
-  has not written and will not write into the tensor for that request.
+  will not write into the tensor for that request (any more).
 - Overlapping requests are refused at the call (``StateError``): a pull into
   bytes that a push or pull in flight reads or writes, or a push of bytes a
   pull in flight writes.
@@ -111,7 +111,9 @@ class SharedTensors:
     def find(self, t: torch.Tensor) -> tuple[SharedSegment, int] | None:
         """(segment, byte offset) of ``t`` if it lies contiguously in one of these
         segments, else ``None`` (then it travels as any other tensor)."""
-        if not self._by_base or t.device.type != "cpu" or not t.is_contiguous():
+        if not self._by_base or t.layout != torch.strided or t.device.type != "cpu":
+            return None
+        if not t.is_contiguous():
             return None
         storage = t.untyped_storage()
         seg = self._by_base.get(storage.data_ptr())
