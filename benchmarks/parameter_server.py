@@ -2,7 +2,11 @@
 and gradhub's ``--durable`` server beside its default.
 
 ``gradhub`` is the default client of a server on the same host: payloads of
-64 KiB or more go through the shared arena. ``gradhub zmq`` is the same with
+64 KiB or more go through the shared arena. ``gradhub shared`` is the same
+client given tensors it allocated in its arena (``RemoteParameterServer.empty_like``:
+the gradient pushed and the tensor pulled into, each allocated once): the
+server reads the push and writes the pull where they lie, no copy in the
+client. ``gradhub zmq`` is the same with
 ``arena=False`` (every byte through ZeroMQ over loopback TCP, the path across
 hosts). ``raw zmq echo`` is the floor for small messages: a pyzmq DEALER
 sending the 4 bytes to a ROUTER in another process that sends them back
@@ -32,7 +36,9 @@ second, measured at the start and recorded with the load average): a
 same-host push of B bytes copies the gradient into the arena (B) and the
 server's SGD reads the value and the gradient and writes the value (1.5 B of
 copying): 2.5 B / C; a pull copies the value into the arena and out of it
-again: 2 B / C. Both sides run one after the other (synchronous ops).
+again: 2 B / C. ``gradhub shared`` copies nothing in the client: a push is
+the server's SGD alone, 1.5 B / C; a pull is the server's copy into the
+tensor, 1 B / C. Both sides run one after the other (synchronous ops).
 
 Writes ``parameter_server.json`` and ``parameter_server.md`` to ``--out``
 (default ``benchmarks/results``) and prints the Markdown table. Ray is used
@@ -104,6 +110,30 @@ class Gradhub:
     def close(self) -> None:
         self.client.close()
         self.server.close()
+
+
+class GradhubShared(Gradhub):
+    """The user's tensors in the client's arena: each tensor the benchmark passes has
+    a twin from ``empty_like`` (made and filled once, in the warm-up call), and
+    that twin is what is pushed or pulled into."""
+
+    name = "gradhub shared"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.twins: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def twin(self, t: torch.Tensor) -> torch.Tensor:
+        kept = self.twins.get(id(t))
+        if kept is None or kept[0] is not t:
+            kept = self.twins[id(t)] = (t, self.client.shared_like(t))
+        return kept[1]
+
+    def push(self, key: str, grad: torch.Tensor) -> None:
+        self.client.push(key, self.twin(grad)).result()
+
+    def pull(self, key: str, out: torch.Tensor) -> None:
+        self.client.pull(key, self.twin(out)).result()
 
 
 class GradhubZmq(Gradhub):
@@ -341,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     wal_dir = tempfile.mkdtemp(prefix=".wal-", dir=args.out)  # on disk, not a tmpfs
     default, durable = Gradhub(), GradhubDurable(wal_dir)
-    systems: list[Any] = [default, GradhubZmq(), durable, ZmqEcho()]
+    systems: list[Any] = [default, GradhubShared(), GradhubZmq(), durable, ZmqEcho()]
     if not args.only_gradhub:
         systems.append(TorchRPC())
         try:
@@ -399,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
                 "ops_per_s": 1 / mean,
                 "gb_per_s": SIZES[label] / mean / 1e9,
                 "gradhub_speedup": ratio,  # peer p50 / gradhub p50 per round: median, min, max
-                "floor_ms": _floor(SIZES[label], op, note["copy_GBps_median"]) * 1e3,
+                "floor_ms": _floor(SIZES[label], op, note["copy_GBps_median"], name) * 1e3,
             }
         )
     meta = {
@@ -426,15 +456,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _floor(nbytes: int, op: str, copy_gbps: float) -> float:
+def _floor(nbytes: int, op: str, copy_gbps: float, system: str = "gradhub") -> float:
     """Seconds the same-host arena must spend copying (see the module docstring)."""
+    if system == "gradhub shared":
+        return (1.5 if op == "push" else 1.0) * nbytes / (copy_gbps * 1e9)
     return (2.5 if op == "push" else 2.0) * nbytes / (copy_gbps * 1e9)
 
 
 def _goals(per_round: dict[tuple[str, str, str], list[float]]) -> list[dict[str, Any]]:
     """The same-host targets, each a ratio of p50s taken in the same rounds:
-    push/pull bandwidth of gradhub (arena) and gradhub zmq over torch.rpc's at
-    16 and 100 MB, and gradhub's 4-byte push p50 over the raw ZeroMQ echo's."""
+    push/pull bandwidth of gradhub (arena), gradhub shared (the user's tensors in
+    the arena) and gradhub zmq over torch.rpc's at 16 and 64 MB, and gradhub's
+    4-byte push p50 over the raw ZeroMQ echo's."""
     out = []
 
     def ratio(label: str, op: str, num: str, den: str) -> tuple[float, float, float] | None:
@@ -446,7 +479,7 @@ def _goals(per_round: dict[tuple[str, str, str], list[float]]) -> list[dict[str,
 
     for label in GOAL_SIZES:
         for op in ("push", "pull"):
-            for name in ("gradhub", "gradhub zmq"):
+            for name in ("gradhub", "gradhub shared", "gradhub zmq"):
                 r = ratio(label, op, "torch.rpc", name)  # rpc time / ours = our GB/s / rpc's
                 if r is not None:
                     what = f"{name} {op} GB/s / torch.rpc GB/s, {label}"

@@ -140,6 +140,34 @@ class ParameterServer(abc.ABC):
     def close(self) -> None:
         """Release threads and sockets; idempotent."""
 
+    def empty_like(self, like: torch.Tensor) -> torch.Tensor:
+        """A new contiguous CPU tensor of ``like``'s shape and dtype (uninitialised)
+        that :meth:`push` and :meth:`pull` move with the fewest copies.
+
+        A :class:`~gradhub.RemoteParameterServer` places it in its shared-memory
+        arena (:mod:`gradhub.ps.arena.shared`): a server on this host reads a push
+        of it, and writes a pull into it, where it lies, with no copy in the
+        client. Elsewhere it is an ordinary tensor. Either way it is yours: use
+        it as any tensor; the rule of every asynchronous call holds, only more
+        strictly: a push reads it, a pull writes it, until its future is done.
+        A push of it is checked for NaN and infinity by the server alone (one
+        read of it, not two): with ``nonfinite="error"`` a refusal is the
+        future's ``NonFiniteError`` (nothing applied), not raised at the call.
+        """
+        return torch.empty(like.shape, dtype=like.dtype)
+
+    def shared_like(self, tensor: torch.Tensor) -> torch.Tensor:
+        """:meth:`empty_like` holding a copy of ``tensor``'s values (e.g. a model's
+        parameters: ``p.data = ps.shared_like(p.data)``, then pull into ``p.data``)."""
+        out = self.empty_like(tensor)
+        out.copy_(tensor)
+        return out
+
+    def in_arena(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` lies in memory of :meth:`empty_like` that push and pull
+        move without a client copy (contiguous, in one of this client's segments)."""
+        return False
+
     def __enter__(self) -> ParameterServer:
         return self
 

@@ -40,7 +40,7 @@ from concurrent.futures import Future
 import zmq
 
 from gradhub.errors import ClosedError
-from gradhub.ps.arena import ClientArena
+from gradhub.ps.arena import ClientArena, SharedTensors
 from gradhub.ps.exchange import Exchange
 from gradhub.ps.link import MUTATING, Link, Request
 from gradhub.ps.protocol import Message
@@ -108,6 +108,7 @@ class Channel(Exchange):
         max_inflight_bytes: int,
         arena: bool = False,
         arena_min_bytes: int = 0,
+        shared: SharedTensors | None = None,
     ) -> None:
         super().__init__(
             worker_id=worker_id,
@@ -120,6 +121,7 @@ class Channel(Exchange):
         )
         self.arena = arena
         self.arena_min_bytes = arena_min_bytes
+        self.shared = shared  # the user's tensors in this client's arena
         self._arena_fds: dict[int, Link] = {}
         self._poll = select.poll()  # the I/O thread's
         self._local = threading.local()  # each waiting thread's own poll
@@ -415,6 +417,7 @@ class Channel(Exchange):
             secret=self._secret,
             timeout=self.timeout,
             min_bytes=self.arena_min_bytes,
+            shared=self.shared,
         )
         if arena is None:
             return
@@ -436,6 +439,7 @@ class Channel(Exchange):
     def _arena_event(self, s: Link) -> None:
         arena = s.arena
         if arena is None or arena.alive():
+            self._confirmed(s)  # cancels the server confirmed
             return
         self._drop_arena(s)
         failure = arena.ended(s.address, self.timeout)

@@ -11,7 +11,11 @@ the sockets, and calls it while holding their lock.
   high-priority push can pass a queue of low-priority ones (BytePS's credit).
 - **Deadlines.** Every request has a deadline (``timeout``); past it its
   future fails with :class:`~gradhub.errors.ServerTimeoutError` naming the
-  server and key.
+  server and key. A pull that named a user's arena tensor is cancelled first
+  (:mod:`gradhub.ps.arena.shared`): it fails once the server confirmed it will
+  not write into the tensor, or once its process is gone; a server that
+  confirms nothing within another ``timeout`` fails it with a message saying
+  the tensor may still change.
 - **Exactly once.** Pushes and inits carry ``(worker_id, session, seq)``; a
   request not answered within ``retry_interval`` is sent again with the same
   numbers, and the server applies it once.
@@ -168,10 +172,11 @@ class Exchange:
         except zmq.ZMQError as exc:
             log.debug("send to %s failed (%s); will retry", s.address, exc)
 
-    def _release(self, s: Link, req: Request) -> None:
-        """Give back ``req``'s arena segment once the server is done with it."""
+    def _release(self, s: Link, req: Request, *, answered: bool = True) -> None:
+        """Give back ``req``'s arena segment once the server is done with it (reused
+        only after an answer: a request given up may still be answered into it)."""
         if s.arena is not None:
-            s.arena.release(req)
+            s.arena.release(req, answered=answered)
         req.slot = None
 
     def _receive(self, i: int, until: Future[None] | None = None, *, ask: bool = True) -> int:
@@ -226,7 +231,7 @@ class Exchange:
             self._submitted = [r for r in self._submitted if self._servers[r.server] is not s]
         mine += [*s.queue.clear(), *s.inflight.values()]
         for r in mine:
-            self._release(s, r)
+            self._release(s, r, answered=False)
         s.inflight.clear()
         s.inflight_bytes = 0
         s.retained.clear()
@@ -310,6 +315,7 @@ class Exchange:
         pending = sorted([*s.retained.values(), *s.inflight.values()], key=lambda r: r.order)
         for req in pending:
             req.next_retry = now + self.retry_interval
+            req.named_user = req.cancelling = False  # the old process writes nothing more
             if req.request_id not in s.inflight:
                 s.inflight[req.request_id] = req
                 if req.op in MUTATING:
@@ -349,6 +355,8 @@ class Exchange:
                 self._send_hello(i, s, now)
             for rid, req in list(s.inflight.items()):
                 if now >= req.deadline:
+                    if self._cancel(s, req, now):
+                        continue  # in flight until the server confirms
                     del s.inflight[rid]
                     if req.op in MUTATING:
                         s.inflight_bytes -= req.nbytes
@@ -359,12 +367,40 @@ class Exchange:
             for req in s.queue.remove_if(lambda r: now >= r.deadline):
                 self._expire(s, req)
 
+    def _cancel(self, s: Link, req: Request, now: float) -> bool:
+        """At its deadline, a pull that named a user's tensor: ask the server not to
+        write into it, and wait up to another ``timeout`` for it to confirm
+        (:meth:`_confirmed`); whether it waits."""
+        if not req.named_user or req.cancelling or s.arena is None:
+            return False
+        try:
+            s.arena.cancel(req.request_id)
+        except OSError:
+            return False
+        req.cancelling = True
+        req.deadline, req.next_retry = now + self.timeout, float("inf")
+        return True
+
+    def _confirmed(self, s: Link) -> None:
+        """Fail the pulls whose cancel the server confirmed (see :meth:`_cancel`)."""
+        while s.arena is not None and s.arena.confirmed:
+            req = s.inflight.pop(s.arena.confirmed.pop(), None)
+            if req is not None:
+                req.cancelling = False  # settled: the server will not write into it
+                self._expire(s, req)
+
     def _expire(self, s: Link, req: Request) -> None:
-        self._release(s, req)
+        self._release(s, req, answered=False)
         if req.future is not None and not req.future.done():
             op = req.op.name.lower()
+            why = ""
+            if req.cancelling:
+                why = (
+                    "nor confirmed within another timeout that it will not write into the "
+                    "tensor: its bytes may still change"
+                )
             req.future.set_exception(
-                ServerTimeoutError(s.address, req.user_key or None, op, self.timeout)
+                ServerTimeoutError(s.address, req.user_key or None, op, self.timeout, why)
             )
 
     def _fail_all(self, exc: GradhubError) -> None:

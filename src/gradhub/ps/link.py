@@ -50,6 +50,9 @@ class Request:
     reply_bytes: int = 0  # a pull's expected payload (its arena segment's size)
     sends: int = 0
     slot: Slot | None = None  # the arena segment lent to it
+    into: torch.Tensor | None = None  # a pull's destination, if it may be a user's arena tensor
+    named_user: bool = False  # a send named a user's tensor: cancelled before given up
+    cancelling: bool = False  # its cancel is sent, not yet confirmed
 
 
 @dataclass

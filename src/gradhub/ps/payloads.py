@@ -32,9 +32,12 @@ def filler(key: str, targets: list[torch.Tensor], rng: slice | None) -> Callable
         with torch.no_grad():
             for t in targets:
                 if rng is None:
-                    t.copy_(value)
+                    if t.data_ptr() != value.data_ptr():  # else answered in place (arena)
+                        t.copy_(value)
                 elif t.is_contiguous():
-                    t.view(-1)[rng].copy_(value)
+                    part = t.view(-1)[rng]
+                    if part.data_ptr() != value.data_ptr():
+                        part.copy_(value)
                 else:
                     flat = t.reshape(-1).clone()
                     flat[rng].copy_(value)

@@ -16,10 +16,10 @@ replica, no codec): do not modify it until the future is done.
 
 Servers on this host: payloads of ``arena_min_bytes`` or more travel through
 a shared-memory arena instead of ZeroMQ (:mod:`gradhub.ps.arena`: a push is
-copied once into it, a pull once out of it); ``arena=False`` or
-``GRADHUB_PS_ARENA=0`` keeps them on ZeroMQ. A server process on this host
-that dies without checkpoints fails its requests at once with
-``WorkerFailedError`` (seen through the arena), not after ``timeout``.
+copied once into it, a pull once out of it, a tensor of :meth:`empty_like`
+not at all); ``arena=False`` or ``GRADHUB_PS_ARENA=0`` keeps them on ZeroMQ.
+A server process on this host that dies without checkpoints fails its
+requests at once with ``WorkerFailedError`` (seen through the arena).
 """
 
 from __future__ import annotations
@@ -92,6 +92,7 @@ class RemoteParameterServer(ParameterServer):
         self.codec = codecs.get(cfg.compress, for_="RemoteParameterServer")
         self.slice_bytes = int(cfg.slice_bytes)
         self._closed = False
+        self._shared = arenas.SharedTensors(arenas.enabled(cfg.arena))  # empty_like's tensors
         self._channel = Channel(
             self.addresses,
             worker_id=cfg.worker_id,
@@ -103,6 +104,7 @@ class RemoteParameterServer(ParameterServer):
             max_inflight_bytes=int(cfg.max_inflight_bytes),
             arena=arenas.enabled(cfg.arena),
             arena_min_bytes=int(cfg.arena_min_bytes),
+            shared=self._shared,
         )
 
     @property
@@ -180,9 +182,14 @@ class RemoteParameterServer(ParameterServer):
                     meta=meta,
                 )
             )
-        if floating and codec == "none" and not self._stage_finite(requests):
+        # A tensor of empty_like is checked by its server alone (one read, not two).
+        served = self.nonfinite == "error" and self._shared.find(total) is not None
+        if floating and codec == "none" and not served and not self._stage_finite(requests):
             return self._refuse(key)
-        return _all_of(self._channel, [self._channel.submit(r) for r in requests])
+        held = None if owned else self._shared.claim(total, writes=False, what=f"push of {key!r}")
+        return self._shared.hold(
+            _all_of(self._channel, [self._channel.submit(r) for r in requests]), [held]
+        )
 
     def _stage_finite(self, requests: list[Request]) -> bool:
         """Whether the payloads of ``requests`` hold no NaN or infinity. A payload that
@@ -219,6 +226,8 @@ class RemoteParameterServer(ParameterServer):
         check_key(key)
         targets = as_replicas(weights, what="weights")
         first = targets[0]
+        held = self._shared.claim(first, writes=True, what=f"pull of {key!r}")
+        flat = None if held is None else first.view(-1)  # the server may write into it
         pieces = layout(
             key,
             first.numel() * first.element_size(),
@@ -236,10 +245,17 @@ class RemoteParameterServer(ParameterServer):
                 on_reply=filler(key, targets, piece.span),
                 reply_bytes=first.element_size()
                 * (first.numel() if piece.span is None else piece.span.stop - piece.span.start),
+                into=None if flat is None else flat[piece.span or slice(None)],
             )
             for piece in pieces
         ]
-        return _all_of(self._channel, futures)
+        return self._shared.hold(_all_of(self._channel, futures), [held])
+
+    def empty_like(self, like: torch.Tensor) -> torch.Tensor:
+        return self._shared.empty(like.shape, like.dtype)  # ClosedError once closed
+
+    def in_arena(self, tensor: torch.Tensor) -> bool:
+        return self._shared.find(tensor) is not None
 
     def optimizer_state(self, key: str, like: torch.Tensor) -> dict[str, Any]:
         """The state of ``key``'s optimizer on its server(s), after this client's
@@ -363,6 +379,7 @@ class RemoteParameterServer(ParameterServer):
         finally:
             self._closed = True
             self._channel.close()
+            self._shared.close()
 
     def __enter__(self) -> RemoteParameterServer:
         return self
@@ -386,6 +403,7 @@ class RemoteParameterServer(ParameterServer):
         meta: bytes = b"",
         on_reply: Callable[[Message], None] | None = None,
         reply_bytes: int = 0,
+        into: torch.Tensor | None = None,
     ) -> Future[None]:
         return self._channel.submit(
             Request(
@@ -400,6 +418,7 @@ class RemoteParameterServer(ParameterServer):
                 meta=meta,
                 on_reply=on_reply,
                 reply_bytes=reply_bytes,
+                into=into,
             )
         )
 

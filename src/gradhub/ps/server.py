@@ -75,7 +75,7 @@ class Server(Service):
         self._closed = False
         self._flushes: list[Message] = []
         self._held: list[list[Any]] = []  # replies waiting for the log's sync
-        self.counters.update(arena_payloads=0, arena_replies=0)
+        self.counters.update(arena_payloads=0, arena_replies=0, arena_shared_replies=0)
         self._restore()
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -313,9 +313,10 @@ class Server(Service):
         """(locator, the copy of ``value`` in the segment the pull named), or
         ``(None, a snapshot)`` when it does not fit there (the reply carries it)."""
         assert self._arenas is not None
-        nbytes = value.numel() * value.element_size()
         try:
-            where = self._arenas.destination(msg.header.session, msg.meta_json(), nbytes)
+            where = self._arenas.destination(
+                msg.header.session, msg.meta_json(), value, msg.header.request_id
+            )
         except ProtocolError:
             where = None
         if where is None or not value.is_contiguous():
@@ -324,6 +325,8 @@ class Server(Service):
         copy = region.view(value.dtype).view(value.shape)
         copy.copy_(value)
         self.counters["arena_replies"] += 1
+        if protocol.ARENA_LOCATOR.unpack(locator)[0] >= arena.FIRST_SHARED_ID:
+            self.counters["arena_shared_replies"] += 1  # into a user's tensor
         return locator, copy
 
     def _send(self, frames: list[Any]) -> None:

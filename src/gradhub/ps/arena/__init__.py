@@ -22,10 +22,45 @@ killed server's mappings end with its process. Nothing is named, so nothing
 is left behind. A server that closes says so on the connection first; a
 client that sees the connection end without it knows the server process died.
 
-A segment is reused only after a request that was sent once: a request sent
-again (a retry, a replay after a restart) may still be read or answered by the
-server from its first copy, so its segment is retired instead. Free segments
-are kept up to ``cache_bytes`` per server.
+A segment is reused only after the answer to a request that was sent once: a
+request sent again (a retry, a replay after a restart) may still be read or
+answered by the server from its first copy, and one given up (its deadline)
+may still be answered, so its segment is retired instead. Free segments are
+kept up to ``cache_bytes`` per server.
+
+The user's own tensors (:mod:`~gradhub.ps.arena.shared`:
+:meth:`~gradhub.RemoteParameterServer.empty_like`, ``shared_like``): segments
+the client lends its user, one per tensor, handed to each server the first
+time a request names one. A push of such a tensor sends its locator (no copy:
+the server's update reads it where it lies); a pull names it, and the server
+writes the value into it (one copy, the server's). Why that stays exact:
+
+- A push: the tensor is read until its future is done (the user's rule). A
+  retry names it again (unchanged by that rule); a copy that arrives after the
+  answer is a duplicate (exactly once: not applied). A push acknowledged but
+  not on disk is kept as a copy (:meth:`gradhub.ps.link.Link.retain`), so a
+  replay after a restart never reads the tensor, which may have changed.
+- A pull: only its first send names the tensor; retries and replays name a
+  private segment and the client copies from it. The server answers one
+  connection's requests on one key in the order they came, so the first send
+  is answered (written) before any retry: once any answer reached the client,
+  no later write into the tensor follows. The server writes only if the value
+  has the dtype and element count the request states (else the client raises
+  with the tensor untouched).
+- A pull given up at its deadline may still be queued on the server. The
+  client sends ``C`` (cancel) on the Unix socket and fails the pull only once
+  the server answers ``c``, which it does from its loop, between requests;
+  before writing into a user's tensor the server reads that socket and skips a
+  cancelled request. (The two channels are not ordered: a pull answered just
+  before the server read the cancel fails too, its value already written; no
+  write follows the confirmation.) A server whose process ended cannot write;
+  one that confirms nothing within another timeout fails the pull with a
+  message that the tensor may still change.
+- Closing: the client half-closes each connection that lent user tensors and
+  waits (up to 5 s) until the server, from its loop, has ended its side and
+  unmapped them; the tensors then stay mapped in the client, ordinary memory.
+- With a shared secret the signature covers the tensor's bytes, as it covers a
+  private segment's (the server checks it on the bytes it then reads).
 
 Security decisions: the Unix socket accepts only processes of the server's
 user (``SO_PEERCRED``). With a shared secret, a client registers its arena
@@ -42,7 +77,8 @@ Off switch: ``GRADHUB_PS_ARENA=0`` in the environment of a client or a server,
 the ZeroMQ path as before.
 
 Modules: :mod:`~gradhub.ps.arena.client` (:class:`ClientArena`, :class:`Slot`),
-:mod:`~gradhub.ps.arena.server` (:class:`ServerArenas`), and
+:mod:`~gradhub.ps.arena.server` (:class:`ServerArenas`),
+:mod:`~gradhub.ps.arena.shared` (:class:`SharedTensors`, the user's tensors), and
 :mod:`~gradhub.ps.arena.wire` (the Unix-socket messages and the registration's
 signature, shared by both).
 """
@@ -54,13 +90,16 @@ import os
 from gradhub._shm.memory import supported
 from gradhub.ps.arena.client import DEFAULT_CACHE_BYTES, DEFAULT_MIN_BYTES, ClientArena, Slot
 from gradhub.ps.arena.server import ServerArenas
+from gradhub.ps.arena.shared import FIRST_SHARED_ID, SharedTensors
 
 __all__ = [
     "ARENA_ENV",
     "DEFAULT_CACHE_BYTES",
     "DEFAULT_MIN_BYTES",
+    "FIRST_SHARED_ID",
     "ClientArena",
     "ServerArenas",
+    "SharedTensors",
     "Slot",
     "enabled",
 ]

@@ -11,7 +11,7 @@ import os
 import secrets
 import socket
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,7 +20,20 @@ import zmq
 from gradhub._shm.hosts import host_identity
 from gradhub._shm.memory import Mapping
 from gradhub.errors import ProtocolError
-from gradhub.ps.arena.wire import BYE, CREDS, FORGET, ID, NEW, REGISTER, SEGMENT, registration_mac
+from gradhub.ps.arena.shared import FIRST_SHARED_ID
+from gradhub.ps.arena.wire import (
+    BYE,
+    CANCEL,
+    CANCELLED,
+    CREDS,
+    FORGET,
+    ID,
+    NEW,
+    REGISTER,
+    RID,
+    SEGMENT,
+    registration_mac,
+)
 from gradhub.ps.protocol import ARENA_LOCATOR
 
 __all__ = ["ServerArenas"]
@@ -28,6 +41,7 @@ __all__ = ["ServerArenas"]
 log = logging.getLogger(__name__)
 
 _MAX_CONTROL = 4096
+_MAX_CANCELLED = 4096  # cancels kept per client whose pull has not arrived (lost ones)
 
 
 @dataclass(eq=False)
@@ -37,6 +51,7 @@ class _Peer:
     session: int = 0
     worker: int = -1
     segments: dict[int, Mapping] | None = None
+    cancelled: dict[int, None] = field(default_factory=dict)  # request ids, oldest first
 
 
 class ServerArenas:
@@ -107,10 +122,17 @@ class ServerArenas:
         return memoryview(mapping.mm)[offset : offset + length]
 
     def destination(
-        self, session: int, meta: dict[str, Any], nbytes: int
+        self, session: int, meta: dict[str, Any], value: torch.Tensor, request_id: int
     ) -> tuple[bytes, torch.Tensor] | None:
-        """Where a pull reply of ``nbytes`` may go: (locator, uint8 view) in the segment
-        the request named, or ``None`` (then the reply carries the bytes)."""
+        """Where a pull reply of ``value`` may go: (locator, uint8 view) in the segment
+        the request named, or ``None`` (then the reply carries the bytes).
+
+        A user's tensor (:mod:`gradhub.ps.arena.shared`) is written into only if
+        ``value`` has the dtype and element count the request expects (else the
+        client raises without its tensor touched) and the client has not
+        cancelled ``request_id``: its messages are read first, here, between
+        requests, where a cancel is confirmed."""
+        nbytes = value.numel() * value.element_size()
         where = meta.get("arena")
         if not (
             isinstance(where, list) and len(where) == 3 and all(isinstance(x, int) for x in where)
@@ -119,6 +141,14 @@ class ServerArenas:
         sid, offset, capacity = where
         if nbytes > capacity or nbytes == 0:
             return None
+        if sid >= FIRST_SHARED_ID:
+            peer = self._sessions.get(session)
+            if peer is None or meta.get("expect") != [str(value.dtype), value.numel()]:
+                return None
+            self._read(peer)  # a cancel, or the end of the connection, sent before now
+            if request_id in peer.cancelled:
+                del peer.cancelled[request_id]  # cancelled: the client no longer waits for it
+                return None
         segment = self._segment(session, (sid, offset, nbytes))
         if segment is None:
             return None
@@ -209,6 +239,13 @@ class ServerArenas:
                 raise ProtocolError(f"segment of {size} bytes exceeds the payload limit")
             fd = fds.pop()
             peer.segments[sid] = Mapping(fd, size)  # closes fd
+        elif kind == CANCEL and peer.segments is not None:
+            (rid,) = RID.unpack(body)
+            peer.cancelled[rid] = None
+            while len(peer.cancelled) > _MAX_CANCELLED:
+                del peer.cancelled[next(iter(peer.cancelled))]
+            with contextlib.suppress(OSError):  # lost: the client fails the pull later
+                peer.sock.send(CANCELLED + body, socket.MSG_DONTWAIT)
         elif kind == FORGET and peer.segments is not None:
             (sid,) = ID.unpack(body)
             mapping = peer.segments.pop(sid, None)
