@@ -68,6 +68,10 @@ def connect(config: PSConfig, rank: int, addresses: list[str], mode: str, name: 
         worker_id=rank,
         secret=config.secret,
         timeout=config.timeout,
+        # The job's own bound for the first answer too (the client's default is
+        # 10 s): a loaded machine can take longer to answer a server's first
+        # hello, and a wrong address is still named, within the timeout.
+        connect_timeout=config.timeout,
         compress=config.compress,
     )
     try:
