@@ -77,7 +77,7 @@ class Pending(Future[None]):
         return self.finished or super().done()  # finished: no lock to take
 
     def result(self, timeout: float | None = None) -> None:
-        return super().result(self._drive(timeout))
+        return super().result(timeout if self.finished else self._drive(timeout))
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         return super().exception(self._drive(timeout))
@@ -187,15 +187,45 @@ class Channel(Exchange):
                 srv = self._servers[req.server]
                 req.seq = srv.next_seq
                 srv.next_seq += 1
-            self._submitted.append(req)
+            alone = not self._submitted  # nothing submitted before it waits to be sent
+            if not alone:
+                self._submitted.append(req)
         if self._io.acquire(blocking=False):
             try:
-                self._pump()
+                if not alone or not self._send_alone(req):
+                    if alone:
+                        with self._lock:
+                            self._submitted.append(req)
+                    self._pump()
+                elif self._submitted:
+                    self._pump()  # submitted meanwhile by a callback of a reply handled there
             finally:
                 self._io.release()
         else:
+            if alone:
+                with self._lock:
+                    self._submitted.append(req)
             self._wake()
         return future
+
+    def _send_alone(self, req: Request) -> bool:
+        """Send ``req``, which nothing submitted before it waits for, at once if its
+        server is ready for it and no timer is due (the caller holds ``_io``);
+        whether it was sent. Else :meth:`_pump` takes it the general way."""
+        if self._pump_owner or self._sockets_closed:
+            return False  # re-entered from a callback, or closing: the pump decides
+        now = time.monotonic()
+        s = self._servers[req.server]
+        if now >= self._next_check or now >= s.next_heartbeat or not self._send_now(s, req, now):
+            return False
+        # As _pump ends: a receive that finds nothing, so that the I/O thread may sleep
+        # on the descriptor (the zmq.FD contract); a reply already there is handled.
+        self._pump_owner = threading.get_ident()
+        try:
+            self._receive(req.server)
+        finally:
+            self._pump_owner = 0
+        return True
 
     def stage(self, req: Request) -> bool | None:
         """Copy a push's payload into the shared arena of its server now, checking on
@@ -254,7 +284,7 @@ class Channel(Exchange):
                     else:
                         woke.append(fds.index(fd))
                 with self._io:
-                    self._pump(future, woke)
+                    self._answers(future, woke)
         finally:
             with self._lock:
                 self._drivers -= 1
@@ -264,6 +294,21 @@ class Channel(Exchange):
                     self._pump()  # the other waiters sleep on the descriptors
             if last and self.busy():
                 self._wake()  # the I/O thread watches the sockets again
+
+    def _answers(self, until: Pending, woke: list[int]) -> None:
+        """After a poll: receive from the servers whose descriptors woke this thread
+        (the caller holds ``_io``), when nothing else is to be done; else :meth:`_pump`."""
+        if not woke or self._submitted or self._pump_owner or time.monotonic() >= self._next_check:
+            self._pump(until, woke)
+            return
+        self._pump_owner = threading.get_ident()
+        try:
+            for i in woke:
+                self._receive(i, until, ask=False)
+        finally:
+            self._pump_owner = 0
+        if self._submitted or any(s.queue for s in self._servers):
+            self._pump(until)  # submitted by a callback, or a reply gave credit back
 
     def _drained(self) -> bool:
         """Whether every socket's last receive found nothing (see :meth:`_receive`)."""

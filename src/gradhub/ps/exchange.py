@@ -37,16 +37,32 @@ import secrets
 import threading
 import time
 from concurrent.futures import Future
+from typing import Any
 
+import torch
 import zmq
 
 from gradhub.errors import GradhubError, ProtocolError, ServerTimeoutError, ServerUnavailableError
 from gradhub.ps import frames as wire
 from gradhub.ps import protocol, status
 from gradhub.ps.link import MUTATING, Link, Request, closed_error, refused_error
-from gradhub.ps.protocol import Header, Message, Op, Status
+from gradhub.ps.protocol import (
+    MAX_KEY_BYTES,
+    MAX_NDIM,
+    PACK_MAX,
+    Header,
+    Message,
+    Op,
+    Status,
+    small,
+)
+from gradhub.ps.protocol.message import DTYPES
 
 log = logging.getLogger(__name__)
+
+_CONTROL_OPS = (Op.HELLO, Op.BYE, Op.HEARTBEAT)  # replies that are not answers to a request
+_DTYPE_CODES = {d: c for c, d in DTYPES.items()}
+_NO_SHAPE: tuple[int, ...] = ()
 
 
 class Exchange:
@@ -82,6 +98,7 @@ class Exchange:
         self._submitted: list[Request] = []
         self._ids = itertools.count(1)
         self._servers: list[Link] = []
+        self._aux = int(timeout * 1000)  # every request's aux: how long the server may hold it
 
     def _start_arena(self, s: Link, msg: Message) -> None:
         """Connect the shared arena a hello reply offers, if this host is the server's."""
@@ -148,6 +165,16 @@ class Exchange:
             except OSError as exc:
                 log.warning("shared arena with %s failed (%s); using ZeroMQ alone", s.address, exc)
                 self._drop_arena(s)
+        payload_small = payload is None or payload.numel() * payload.element_size() <= PACK_MAX
+        if locator is None and payload_small and req.codec == "none":
+            frame = self._pack(s, req, payload, meta)
+            if frame is not None:
+                s.drained = False  # a send may take the descriptor's signal of a message waiting
+                try:
+                    s.sock.send(frame, copy=True)
+                except zmq.ZMQError as exc:
+                    log.debug("send to %s failed (%s); will retry", s.address, exc)
+                return
         header = Header(
             op=req.op,
             request_id=req.request_id,
@@ -157,7 +184,7 @@ class Exchange:
             incarnation=s.incarnation,
             priority=req.priority,
             codec=req.codec,
-            aux=int(self.timeout * 1000),  # how long the server may hold it
+            aux=self._aux,
         )
         frames = protocol.encode(
             header, req.key, payload, meta=meta, secret=self._secret, arena=locator, pack=True
@@ -167,6 +194,42 @@ class Exchange:
             wire.send(s.sock, frames)
         except zmq.ZMQError as exc:
             log.debug("send to %s failed (%s); will retry", s.address, exc)
+
+    def _pack(
+        self, s: Link, req: Request, payload: torch.Tensor | None, meta: bytes
+    ) -> bytes | None:
+        """The one frame of ``req`` (:func:`gradhub.ps.protocol.small.pack`: the bytes
+        :func:`~gradhub.ps.protocol.encode` makes), or ``None`` where ``encode``'s
+        checks must speak (a key or shape past the limits, a dtype the wire lacks)."""
+        key = req.key.encode("utf-8")
+        if len(key) > MAX_KEY_BYTES:
+            return None
+        data: Any = b""
+        dcode, shape = 0, _NO_SHAPE
+        if payload is not None:
+            dcode = _DTYPE_CODES.get(payload.dtype, 0)
+            shape = tuple(payload.shape)
+            if not dcode or len(shape) > MAX_NDIM:
+                return None
+            data = protocol.tensor_frame(payload)
+        return small.pack(
+            req.op,
+            0,
+            0,
+            key,
+            self.worker_id,
+            req.priority,
+            req.request_id,
+            self._session,
+            req.seq,
+            s.incarnation,
+            self._aux,
+            self._secret,
+            data,
+            dcode,
+            shape,
+            meta,
+        )
 
     def _release(self, s: Link, req: Request) -> None:
         """Give back ``req``'s arena segment once the server is done with it."""
@@ -196,6 +259,12 @@ class Exchange:
                 s.drained = True
                 return n
             s.drained = False
+            if len(frames) == 1:
+                ack = small.read_ack(frames[0], self._secret)
+                if ack is not None and self._acked(s, *ack):
+                    if until is not None and until.done():
+                        return n + 1
+                    continue
             try:
                 msg = protocol.decode(
                     frames,
@@ -265,6 +334,29 @@ class Exchange:
             self._complete(s, req, msg)
         finally:
             self._release(s, req)
+
+    def _acked(self, s: Link, op: int, code: int, rid: int, incarnation: int, aux: int) -> bool:
+        """Handle a reply read by :func:`~gradhub.ps.protocol.small.read_ack` as
+        :meth:`_handle` would; ``False`` (nothing done) where that needs the decoded
+        message: not an OK answer to a request, or one whose reply has a callback."""
+        if code != Status.OK or op in _CONTROL_OPS:
+            return False
+        req = s.inflight.get(rid)
+        if req is None:
+            return True  # an answer to a retry we already had, or to a timed-out request
+        if req.on_reply is not None:
+            return False
+        del s.inflight[rid]
+        future = req.future
+        if req.op in MUTATING:
+            s.inflight_bytes -= req.nbytes
+            s.retain(req, aux)
+        elif req.op == Op.FLUSH:
+            s.prune(aux)
+        if future is not None and not future.done():
+            future.set_result(None)
+        self._release(s, req)
+        return True
 
     def _complete(self, s: Link, req: Request, msg: Message) -> None:
         h = msg.header

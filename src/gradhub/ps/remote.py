@@ -52,7 +52,7 @@ from gradhub.ps.client_config import ClientConfig
 from gradhub.ps.config import secret_bytes
 from gradhub.ps.link import Request
 from gradhub.ps.payloads import filler, meta_json
-from gradhub.ps.placement import DEFAULT_SLICE_BYTES, Piece, layout, split
+from gradhub.ps.placement import DEFAULT_SLICE_BYTES, Piece, layout, server_index, split
 from gradhub.ps.protocol import Message, Op
 from gradhub.trees import all_finite
 
@@ -146,6 +146,10 @@ class RemoteParameterServer(ParameterServer):
         round, as a zero contribution) and applies nothing; send zeros.
         """
         self._check_open()
+        if type(grads) is torch.Tensor and not hyperparameters and not skip:
+            sent = self._push_one(key, grads, priority)
+            if sent is not None:
+                return sent
         check_key(key)
         fields: dict[str, Any] = {}
         if hyperparameters:
@@ -183,6 +187,28 @@ class RemoteParameterServer(ParameterServer):
         if floating and codec == "none" and not self._stage_finite(requests):
             return self._refuse(key)
         return _all_of(self._channel, [self._channel.submit(r) for r in requests])
+
+    def _push_one(self, key: str, grad: torch.Tensor, priority: int) -> Future[None] | None:
+        """:meth:`push` of one tensor, uncompressed, small enough for one server and
+        no arena, and nothing else (the common small push), as the general path
+        would send it, without its steps for replicas, slices, codecs and arenas;
+        ``None`` for any other push (nothing done then)."""
+        total = grad.detach()
+        nbytes = total.numel() * total.element_size()
+        floating = total.is_floating_point()
+        if (
+            type(key) is not str
+            or nbytes > self.slice_bytes
+            or nbytes >= self._channel.arena_min_bytes
+            or (floating and self.codec.name != "none")
+        ):
+            return None
+        if floating and not all_finite(total):
+            return self._refuse(key)
+        server = server_index(key, len(self.addresses))
+        return self._channel.submit(
+            Request(Op.PUSH, server, key=key, user_key=key, priority=int(priority), payload=total)
+        )
 
     def _stage_finite(self, requests: list[Request]) -> bool:
         """Whether the payloads of ``requests`` hold no NaN or infinity. A payload that
