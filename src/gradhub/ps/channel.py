@@ -35,7 +35,6 @@ import select
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future
 
 import zmq
 
@@ -43,52 +42,14 @@ from gradhub.errors import ClosedError
 from gradhub.ps.arena import ClientArena
 from gradhub.ps.exchange import Exchange
 from gradhub.ps.link import MUTATING, Link, Request
+from gradhub.ps.pending import Pending
 from gradhub.ps.protocol import Message
+
+__all__ = ["Channel", "Pending"]
 
 log = logging.getLogger(__name__)
 
 _TICK = 0.05  # seconds between checks of deadlines, retries and heartbeats
-
-
-class Pending(Future[None]):
-    """The future of a request (or of several): a thread waiting on it with
-    :meth:`result` or :meth:`exception` drives the channel itself until it is done."""
-
-    def __init__(self, channel: Channel) -> None:
-        super().__init__()
-        self._channel = channel
-        self.finished = False
-        """Set once done (result, exception or cancelled): read without the future's lock."""
-
-    def set_result(self, result: None) -> None:
-        super().set_result(result)
-        self.finished = True
-
-    def set_exception(self, exception: BaseException | None) -> None:
-        super().set_exception(exception)
-        self.finished = True
-
-    def cancel(self) -> bool:
-        cancelled = super().cancel()
-        self.finished = self.finished or cancelled
-        return cancelled
-
-    def done(self) -> bool:
-        return self.finished or super().done()  # finished: no lock to take
-
-    def result(self, timeout: float | None = None) -> None:
-        return super().result(timeout if self.finished else self._drive(timeout))
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        return super().exception(self._drive(timeout))
-
-    def _drive(self, timeout: float | None) -> float | None:
-        """Drive until done or ``timeout``; the time left of ``timeout``."""
-        if self.finished or self.done():
-            return timeout
-        start = time.monotonic()
-        self._channel.wait(self, timeout)
-        return None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
 
 
 class Channel(Exchange):
@@ -190,22 +151,21 @@ class Channel(Exchange):
             alone = not self._submitted  # nothing submitted before it waits to be sent
             if not alone:
                 self._submitted.append(req)
-        if self._io.acquire(blocking=False):
-            try:
-                if not alone or not self._send_alone(req):
-                    if alone:
-                        with self._lock:
-                            self._submitted.append(req)
-                    self._pump()
-                elif self._submitted:
-                    self._pump()  # submitted meanwhile by a callback of a reply handled there
-            finally:
-                self._io.release()
-        else:
+        if not self._io.acquire(blocking=False):
             if alone:
                 with self._lock:
                     self._submitted.append(req)
             self._wake()
+            return future
+        try:
+            sent = alone and self._send_alone(req)
+            if alone and not sent:
+                with self._lock:
+                    self._submitted.append(req)
+            if not sent or self._submitted:  # (submitted by a callback of a reply handled)
+                self._pump()
+        finally:
+            self._io.release()
         return future
 
     def _send_alone(self, req: Request) -> bool:
@@ -218,14 +178,16 @@ class Channel(Exchange):
         s = self._servers[req.server]
         if now >= self._next_check or now >= s.next_heartbeat or not self._send_now(s, req, now):
             return False
-        # As _pump ends: a receive that finds nothing, so that the I/O thread may sleep
-        # on the descriptor (the zmq.FD contract); a reply already there is handled.
-        self._pump_owner = threading.get_ident()
+        # As _pump ends: a receive that finds nothing (the zmq.FD contract, see _receive).
+        self._receive_as_pump(req.server)
+        return True
+
+    def _receive_as_pump(self, i: int, until: Pending | None = None, *, ask: bool = True) -> None:
+        self._pump_owner = threading.get_ident()  # a callback that submits leaves it queued
         try:
-            self._receive(req.server)
+            self._receive(i, until, ask=ask)
         finally:
             self._pump_owner = 0
-        return True
 
     def stage(self, req: Request) -> bool | None:
         """Copy a push's payload into the shared arena of its server now, checking on
@@ -301,14 +263,12 @@ class Channel(Exchange):
         if not woke or self._submitted or self._pump_owner or time.monotonic() >= self._next_check:
             self._pump(until, woke)
             return
-        self._pump_owner = threading.get_ident()
-        try:
-            for i in woke:
-                self._receive(i, until, ask=False)
-        finally:
-            self._pump_owner = 0
-        if self._submitted or any(s.queue for s in self._servers):
-            self._pump(until)  # submitted by a callback, or a reply gave credit back
+        for i in woke:
+            self._receive_as_pump(i, until, ask=False)
+        for s in self._servers:
+            if s.queue or self._submitted:
+                self._pump(until)  # submitted by a callback, or a reply gave credit back
+                return
 
     def _drained(self) -> bool:
         """Whether every socket's last receive found nothing (see :meth:`_receive`)."""
@@ -328,10 +288,12 @@ class Channel(Exchange):
 
     def busy(self) -> bool:
         """Whether requests are queued or in flight."""
-        with self._lock:
-            if self._submitted:
+        if self._submitted:  # read without the lock: one who appends after wakes the I/O thread
+            return True
+        for s in self._servers:  # noqa: SIM110 (a loop: cheaper than any() over a generator)
+            if s.inflight or s.queue:
                 return True
-        return any(s.inflight or s.queue for s in self._servers)
+        return False
 
     def unsaved(self) -> list[int]:
         """The servers holding pushes they acknowledged but have not yet put on disk."""

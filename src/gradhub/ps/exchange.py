@@ -36,10 +36,8 @@ import logging
 import secrets
 import threading
 import time
-from concurrent.futures import Future
-from typing import Any
+from typing import Protocol
 
-import torch
 import zmq
 
 from gradhub.errors import GradhubError, ProtocolError, ServerTimeoutError, ServerUnavailableError
@@ -47,8 +45,6 @@ from gradhub.ps import frames as wire
 from gradhub.ps import protocol, status
 from gradhub.ps.link import MUTATING, Link, Request, closed_error, refused_error
 from gradhub.ps.protocol import (
-    MAX_KEY_BYTES,
-    MAX_NDIM,
     PACK_MAX,
     Header,
     Message,
@@ -56,13 +52,14 @@ from gradhub.ps.protocol import (
     Status,
     small,
 )
-from gradhub.ps.protocol.message import DTYPES
 
 log = logging.getLogger(__name__)
 
 _CONTROL_OPS = (Op.HELLO, Op.BYE, Op.HEARTBEAT)  # replies that are not answers to a request
-_DTYPE_CODES = {d: c for c, d in DTYPES.items()}
-_NO_SHAPE: tuple[int, ...] = ()
+
+
+class _Awaited(Protocol):
+    finished: bool  # the channel's future (Pending): done, read without its lock
 
 
 class Exchange:
@@ -167,7 +164,20 @@ class Exchange:
                 self._drop_arena(s)
         payload_small = payload is None or payload.numel() * payload.element_size() <= PACK_MAX
         if locator is None and payload_small and req.codec == "none":
-            frame = self._pack(s, req, payload, meta)
+            frame = small.pack_request(
+                req.op,
+                req.key,
+                payload,
+                meta,
+                req.priority,
+                self.worker_id,
+                req.request_id,
+                self._session,
+                req.seq,
+                s.incarnation,
+                self._aux,
+                self._secret,
+            )
             if frame is not None:
                 s.drained = False  # a send may take the descriptor's signal of a message waiting
                 try:
@@ -195,49 +205,13 @@ class Exchange:
         except zmq.ZMQError as exc:
             log.debug("send to %s failed (%s); will retry", s.address, exc)
 
-    def _pack(
-        self, s: Link, req: Request, payload: torch.Tensor | None, meta: bytes
-    ) -> bytes | None:
-        """The one frame of ``req`` (:func:`gradhub.ps.protocol.small.pack`: the bytes
-        :func:`~gradhub.ps.protocol.encode` makes), or ``None`` where ``encode``'s
-        checks must speak (a key or shape past the limits, a dtype the wire lacks)."""
-        key = req.key.encode("utf-8")
-        if len(key) > MAX_KEY_BYTES:
-            return None
-        data: Any = b""
-        dcode, shape = 0, _NO_SHAPE
-        if payload is not None:
-            dcode = _DTYPE_CODES.get(payload.dtype, 0)
-            shape = tuple(payload.shape)
-            if not dcode or len(shape) > MAX_NDIM:
-                return None
-            data = protocol.tensor_frame(payload)
-        return small.pack(
-            req.op,
-            0,
-            0,
-            key,
-            self.worker_id,
-            req.priority,
-            req.request_id,
-            self._session,
-            req.seq,
-            s.incarnation,
-            self._aux,
-            self._secret,
-            data,
-            dcode,
-            shape,
-            meta,
-        )
-
     def _release(self, s: Link, req: Request) -> None:
         """Give back ``req``'s arena segment once the server is done with it."""
         if s.arena is not None:
             s.arena.release(req)
         req.slot = None
 
-    def _receive(self, i: int, until: Future[None] | None = None, *, ask: bool = True) -> int:
+    def _receive(self, i: int, until: _Awaited | None = None, *, ask: bool = True) -> int:
         """Handle the messages waiting from server ``i`` (at most 1000); how many.
 
         Ends on a receive that found nothing (``s.drained``), as ``zmq.FD``
@@ -262,7 +236,7 @@ class Exchange:
             if len(frames) == 1:
                 ack = small.read_ack(frames[0], self._secret)
                 if ack is not None and self._acked(s, *ack):
-                    if until is not None and until.done():
+                    if until is not None and until.finished:
                         return n + 1
                     continue
             try:
@@ -283,7 +257,7 @@ class Exchange:
                 log.warning("dropped a reply from %s: %s", s.address, exc)
                 continue
             self._handle(s, msg)
-            if until is not None and until.done():
+            if until is not None and until.finished:
                 return n + 1
         return 1000
 

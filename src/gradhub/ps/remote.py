@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
@@ -47,11 +46,12 @@ from gradhub.ps import arena as arenas
 from gradhub.ps import optim_state
 from gradhub.ps.addresses import check_address
 from gradhub.ps.base import ParameterServer, Replicas, as_replicas, check_key
-from gradhub.ps.channel import Channel, Pending
+from gradhub.ps.channel import Channel
 from gradhub.ps.client_config import ClientConfig
 from gradhub.ps.config import secret_bytes
 from gradhub.ps.link import Request
 from gradhub.ps.payloads import filler, meta_json
+from gradhub.ps.pending import all_of
 from gradhub.ps.placement import DEFAULT_SLICE_BYTES, Piece, layout, server_index, split
 from gradhub.ps.protocol import Message, Op
 from gradhub.trees import all_finite
@@ -186,7 +186,7 @@ class RemoteParameterServer(ParameterServer):
             )
         if floating and codec == "none" and not self._stage_finite(requests):
             return self._refuse(key)
-        return _all_of(self._channel, [self._channel.submit(r) for r in requests])
+        return all_of(self._channel, [self._channel.submit(r) for r in requests])
 
     def _push_one(self, key: str, grad: torch.Tensor, priority: int) -> Future[None] | None:
         """:meth:`push` of one tensor, uncompressed, small enough for one server and
@@ -265,7 +265,7 @@ class RemoteParameterServer(ParameterServer):
             )
             for piece in pieces
         ]
-        return _all_of(self._channel, futures)
+        return all_of(self._channel, futures)
 
     def optimizer_state(self, key: str, like: torch.Tensor) -> dict[str, Any]:
         """The state of ``key``'s optimizer on its server(s), after this client's
@@ -428,29 +428,3 @@ class RemoteParameterServer(ParameterServer):
                 reply_bytes=reply_bytes,
             )
         )
-
-
-def _all_of(channel: Channel, futures: list[Future[None]]) -> Future[None]:
-    """A future done when all of ``futures`` are; it fails with the first failure
-    (waiting on it drives ``channel``, as waiting on one of them does)."""
-    if len(futures) == 1:
-        return futures[0]
-    out = Pending(channel)
-    remaining = [len(futures)]
-    lock = threading.Lock()
-
-    def done(f: Future[None]) -> None:
-        exc = f.exception()
-        with lock:
-            remaining[0] -= 1
-            last = remaining[0] == 0
-            if out.done():
-                return
-            if exc is not None:
-                out.set_exception(exc)
-            elif last:
-                out.set_result(None)
-
-    for f in futures:
-        f.add_done_callback(done)
-    return out

@@ -22,6 +22,8 @@ import math
 import struct
 from typing import Any
 
+import torch
+
 from gradhub.ps.protocol.framing import _HEADER, _ITEMSIZE, _OPS, _STATUSES, HEADER_SIZE, _mac
 from gradhub.ps.protocol.message import (
     CODECS,
@@ -37,12 +39,28 @@ from gradhub.ps.protocol.message import (
     VERSION,
     Header,
     Message,
+    tensor_frame,
 )
 
-__all__ = ["pack", "read_ack", "read_request"]
+__all__ = ["pack", "pack_request", "read_ack", "read_request"]
 
 _ZEROS = (0,) * MAX_NDIM
 _OP_OF, _STATUS_OF = _OPS, _STATUSES  # codes -> Op, Status
+_DTYPE_CODES = {d: c for c, d in DTYPES.items()}
+_NO_SHAPE: tuple[int, ...] = ()
+_NUMPY_DTYPES = frozenset(
+    {
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    }
+)  # a tensor's bytes in one call (what tensor_frame does for them)
 _ACK_VIEW = struct.Struct(f"<3sBHH4sH8xQ16xQQ{8 + 8 * MAX_NDIM}s")
 """The header as an acknowledgement is read (see ``_HEADER``): magic and version,
 op, flags, status, (dtype, codec, ndim, padding), key length, (worker id,
@@ -55,6 +73,12 @@ _NO_TENSOR = bytes(4)  # no dtype, codec none, no dimensions (and the padding by
 _NO_PAYLOAD = bytes(8 + 8 * MAX_NDIM)  # payload length and dimensions zero
 _ACK = (FLAG_REPLY | FLAG_PACKED, FLAG_REPLY | FLAG_PACKED | FLAG_MAC)  # unsigned, signed
 _REQUEST = (FLAG_PACKED, FLAG_PACKED | FLAG_MAC)
+_REQUEST_VIEW = struct.Struct("<3sBHHBBBxHIiQQQQQQ")
+"""The header up to its dimensions (``_HEADER``, magic and version read together)."""
+_DIMS = [struct.Struct(f"<{n * 'Q'}{8 * (MAX_NDIM - n)}s") for n in range(MAX_NDIM + 1)]
+"""The dimensions of a header of ``ndim`` n: n sizes, then the bytes that must be zero."""
+_NO_DIMS = [bytes(8 * (MAX_NDIM - n)) for n in range(MAX_NDIM + 1)]
+assert _REQUEST_VIEW.size + _DIMS[0].size == HEADER_SIZE
 
 
 def pack(
@@ -106,6 +130,49 @@ def pack(
     return b"".join((head, key, meta, data))
 
 
+def pack_request(
+    op: int,
+    key: str,
+    payload: torch.Tensor | None,
+    meta: bytes,
+    priority: int,
+    worker_id: int,
+    request_id: int,
+    session: int,
+    seq: int,
+    incarnation: int,
+    aux: int,
+    secret: bytes | None,
+) -> bytes | None:
+    """:func:`pack` of a request whose ``payload`` (CPU, contiguous; at most
+    ``PACK_MAX`` bytes) is sent as it is (codec ``none``), or ``None`` where
+    :func:`~.framing.encode`'s checks must speak (a key or shape past the limits,
+    a dtype the wire lacks)."""
+    key_bytes = key.encode("utf-8")
+    if len(key_bytes) > MAX_KEY_BYTES:
+        return None
+    data: Any = b""
+    dcode, shape = 0, _NO_SHAPE
+    if payload is not None:
+        dcode = _DTYPE_CODES.get(payload.dtype, 0)
+        shape = tuple(payload.shape)
+        if not dcode or len(shape) > MAX_NDIM:
+            return None
+        if payload.dtype in _NUMPY_DTYPES and payload.numel() and not _special(payload):
+            data = memoryview(payload.numpy()).cast("B")  # type: ignore[arg-type]
+        else:
+            data = tensor_frame(payload)
+    return pack(
+        op, 0, 0, key_bytes, worker_id, priority, request_id, session, seq, incarnation, aux,
+        secret, data, dcode, shape, meta,
+    )  # fmt: skip
+
+
+def _special(t: torch.Tensor) -> bool:
+    """Whether ``t``'s bytes need :func:`~.message.tensor_frame` (autograd, a negative view)."""
+    return t.requires_grad or t.is_neg()
+
+
 def read_ack(frame: bytes, secret: bytes | None) -> tuple[int, int, int, int, int] | None:
     """``(op, status, request_id, incarnation, aux)`` of a packed reply that carries
     neither meta nor payload, checked as :func:`~.framing.decode` checks it
@@ -147,27 +214,27 @@ def read_request(frame: Any, secret: bytes | None, max_payload: int) -> Message 
     size = view.nbytes
     if size < HEADER_SIZE:
         return None
-    f = _HEADER.unpack_from(view)
-    key_len, payload_len, ndim, dcode = f[8], f[16], f[7], f[5]
-    mac_len = MAC_SIZE if secret else 0
+    (
+        start, op, flags, status, dcode, ccode, ndim, key_len,
+        worker, priority, rid, session, seq, inc, aux, payload_len,
+    ) = _REQUEST_VIEW.unpack_from(view)  # fmt: skip
     key_end = HEADER_SIZE + key_len
-    data_start = size - mac_len - payload_len
+    data_start = size - (MAC_SIZE if secret else 0) - payload_len
     if (
-        f[0] != MAGIC
-        or f[1] != VERSION
-        or f[3] != _REQUEST[1 if secret else 0]
+        start != _START
+        or flags != _REQUEST[1 if secret else 0]
         or key_len > MAX_KEY_BYTES
         or payload_len > max_payload
         or not 0 <= data_start - key_end <= MAX_META_BYTES
         or ndim > MAX_NDIM
-        or f[6] >= len(CODECS)
-        or f[17 + ndim :] != _ZEROS[ndim:]
+        or ccode >= len(CODECS)
     ):
         return None
-    op, status = _OP_OF.get(f[2]), _STATUS_OF.get(f[4])
-    if op is None or status is None:
+    dims = _DIMS[ndim].unpack_from(view, _REQUEST_VIEW.size)
+    op_, status_ = _OP_OF.get(op), _STATUS_OF.get(status)
+    if dims[-1] != _NO_DIMS[ndim] or op_ is None or status_ is None:
         return None
-    shape = f[17 : 17 + ndim]
+    shape = dims[:-1]
     dtype = None
     if dcode:
         dtype = DTYPES.get(dcode)
@@ -179,24 +246,11 @@ def read_request(frame: Any, secret: bytes | None, max_payload: int) -> Message 
         key = str(view[HEADER_SIZE:key_end], "utf-8")
     except UnicodeDecodeError:
         return None
-    if secret and not hmac.compare_digest(
-        _mac(secret, (view[: size - MAC_SIZE],)), view[size - MAC_SIZE :]
-    ):
+    data_end = data_start + payload_len
+    if secret and not hmac.compare_digest(_mac(secret, (view[:data_end],)), view[data_end:]):
         return None
     header = Header(
-        op,
-        f[11],
-        f[9],
-        f[12],
-        f[13],
-        f[14],
-        f[15],
-        f[10],
-        f[3],
-        status,
-        dtype,
-        CODECS[f[6]],
-        shape,
-        payload_len,
-    )
-    return Message(header, key, view[data_start : size - mac_len], bytes(view[key_end:data_start]))
+        op_, rid, worker, session, seq, inc, aux, priority, flags, status_, dtype, CODECS[ccode],
+        shape, payload_len,
+    )  # fmt: skip
+    return Message(header, key, view[data_start:data_end], bytes(view[key_end:data_start]))
