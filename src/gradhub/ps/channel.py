@@ -2,9 +2,10 @@
 
 - **Threads.** ZeroMQ sockets are not thread-safe, so they are used under one
   lock (``_io``) by whichever thread holds it: the caller of
-  :meth:`Channel.submit` sends its request itself when the lock is free, and a
-  thread waiting on a request's future (:class:`Pending`) receives and handles
-  the replies itself, woken by the sockets' own descriptors (``zmq.FD``). So a
+  :meth:`Channel.submit` sends its request itself when the lock is free (with
+  nothing before it, straight to the socket), and a thread waiting on its
+  future (:class:`~gradhub.ps.pending.Pending`) receives and handles the
+  replies itself, woken by the sockets' own descriptors (``zmq.FD``). So a
   request made and waited for in one thread costs one ZeroMQ round trip, with
   no hand-off to another thread. A background I/O thread does the rest:
   heartbeats, retries, deadlines, and the replies no thread is waiting for
@@ -44,8 +45,6 @@ from gradhub.ps.exchange import Exchange
 from gradhub.ps.link import MUTATING, Link, Request
 from gradhub.ps.pending import Pending
 from gradhub.ps.protocol import Message
-
-__all__ = ["Channel", "Pending"]
 
 log = logging.getLogger(__name__)
 
@@ -258,8 +257,8 @@ class Channel(Exchange):
                 self._wake()  # the I/O thread watches the sockets again
 
     def _answers(self, until: Pending, woke: list[int]) -> None:
-        """After a poll: receive from the servers whose descriptors woke this thread
-        (the caller holds ``_io``), when nothing else is to be done; else :meth:`_pump`."""
+        """After a poll, with ``_io``: receive from the servers that woke this thread,
+        if nothing else is due; else :meth:`_pump`."""
         if not woke or self._submitted or self._pump_owner or time.monotonic() >= self._next_check:
             self._pump(until, woke)
             return

@@ -162,8 +162,7 @@ class Exchange:
             except OSError as exc:
                 log.warning("shared arena with %s failed (%s); using ZeroMQ alone", s.address, exc)
                 self._drop_arena(s)
-        payload_small = payload is None or payload.numel() * payload.element_size() <= PACK_MAX
-        if locator is None and payload_small and req.codec == "none":
+        if locator is None and req.nbytes <= PACK_MAX and req.codec == "none":
             frame = small.pack_request(
                 req.op,
                 req.key,
