@@ -99,10 +99,11 @@ def as_replicas(values: Replicas, *, what: str = "values") -> list[torch.Tensor]
 
 def check_like(key: str, stored: torch.Tensor, given: torch.Tensor) -> None:
     """Raise ``ShapeMismatchError`` naming ``key`` if shape or dtype differ."""
-    path = f"[{key!r}]" if key else ROOT
     if given.shape != stored.shape:
+        path = f"[{key!r}]" if key else ROOT
         raise ShapeMismatchError(path, list(stored.shape), list(given.shape))
     if given.dtype != stored.dtype:
+        path = f"[{key!r}]" if key else ROOT
         raise DtypeMismatchError(path, stored.dtype, given.dtype)
 
 

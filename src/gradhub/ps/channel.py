@@ -2,9 +2,10 @@
 
 - **Threads.** ZeroMQ sockets are not thread-safe, so they are used under one
   lock (``_io``) by whichever thread holds it: the caller of
-  :meth:`Channel.submit` sends its request itself when the lock is free, and a
-  thread waiting on a request's future (:class:`Pending`) receives and handles
-  the replies itself, woken by the sockets' own descriptors (``zmq.FD``). So a
+  :meth:`Channel.submit` sends its request itself when the lock is free (with
+  nothing before it, straight to the socket), and a thread waiting on its
+  future (:class:`~gradhub.ps.pending.Pending`) receives and handles the
+  replies itself, woken by the sockets' own descriptors (``zmq.FD``). So a
   request made and waited for in one thread costs one ZeroMQ round trip, with
   no hand-off to another thread. A background I/O thread does the rest:
   heartbeats, retries, deadlines, and the replies no thread is waiting for
@@ -35,60 +36,19 @@ import select
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future
 
 import zmq
 
 from gradhub.errors import ClosedError
 from gradhub.ps.arena import ClientArena, SharedTensors
 from gradhub.ps.exchange import Exchange
-from gradhub.ps.link import MUTATING, Link, Request
+from gradhub.ps.link import MUTATING, Link, Request, dealer
+from gradhub.ps.pending import Pending
 from gradhub.ps.protocol import Message
 
 log = logging.getLogger(__name__)
 
 _TICK = 0.05  # seconds between checks of deadlines, retries and heartbeats
-
-
-class Pending(Future[None]):
-    """The future of a request (or of several): a thread waiting on it with
-    :meth:`result` or :meth:`exception` drives the channel itself until it is done."""
-
-    def __init__(self, channel: Channel) -> None:
-        super().__init__()
-        self._channel = channel
-        self.finished = False
-        """Set once done (result, exception or cancelled): read without the future's lock."""
-
-    def set_result(self, result: None) -> None:
-        super().set_result(result)
-        self.finished = True
-
-    def set_exception(self, exception: BaseException | None) -> None:
-        super().set_exception(exception)
-        self.finished = True
-
-    def cancel(self) -> bool:
-        cancelled = super().cancel()
-        self.finished = self.finished or cancelled
-        return cancelled
-
-    def done(self) -> bool:
-        return self.finished or super().done()  # finished: no lock to take
-
-    def result(self, timeout: float | None = None) -> None:
-        return super().result(self._drive(timeout))
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        return super().exception(self._drive(timeout))
-
-    def _drive(self, timeout: float | None) -> float | None:
-        """Drive until done or ``timeout``; the time left of ``timeout``."""
-        if self.finished or self.done():
-            return timeout
-        start = time.monotonic()
-        self._channel.wait(self, timeout)
-        return None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
 
 
 class Channel(Exchange):
@@ -134,19 +94,11 @@ class Channel(Exchange):
         self._stopping = False
         self._ctx = zmq.Context()
         for a in addresses:
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.linger = 0
-            sock.sndhwm = 0
-            sock.rcvhwm = 0
-            sock.setsockopt(zmq.RECONNECT_IVL, 100)
-            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
             try:
-                sock.connect(a)
-            except zmq.ZMQError as exc:
-                sock.close(0)
+                self._servers.append(Link(a, dealer(self._ctx, a)))
+            except ValueError:
                 self._close_sockets()
-                raise ValueError(f"cannot connect to parameter server {a!r}: {exc}") from exc
-            self._servers.append(Link(a, sock))
+                raise
         self._zmq_fds = [int(s.sock.getsockopt(zmq.FD)) for s in self._servers]
         self._wake_r, self._wake_w = os.pipe()  # wakes the I/O thread
         self._kick_r, self._kick_w = os.pipe()  # wakes waiting callers
@@ -189,15 +141,46 @@ class Channel(Exchange):
                 srv = self._servers[req.server]
                 req.seq = srv.next_seq
                 srv.next_seq += 1
-            self._submitted.append(req)
-        if self._io.acquire(blocking=False):
-            try:
-                self._pump()
-            finally:
-                self._io.release()
-        else:
+            alone = not self._submitted  # nothing submitted before it waits to be sent
+            if not alone:
+                self._submitted.append(req)
+        if not self._io.acquire(blocking=False):
+            if alone:
+                with self._lock:
+                    self._submitted.append(req)
             self._wake()
+            return future
+        try:
+            sent = alone and self._send_alone(req)
+            if alone and not sent:
+                with self._lock:
+                    self._submitted.append(req)
+            if not sent or self._submitted:  # (submitted by a callback of a reply handled)
+                self._pump()
+        finally:
+            self._io.release()
         return future
+
+    def _send_alone(self, req: Request) -> bool:
+        """Send ``req``, which nothing submitted before it waits for, at once if its
+        server is ready for it and no timer is due (the caller holds ``_io``);
+        whether it was sent. Else :meth:`_pump` takes it the general way."""
+        if self._pump_owner or self._sockets_closed:
+            return False  # re-entered from a callback, or closing: the pump decides
+        now = time.monotonic()
+        s = self._servers[req.server]
+        if now >= self._next_check or now >= s.next_heartbeat or not self._send_now(s, req, now):
+            return False
+        # As _pump ends: a receive that finds nothing (the zmq.FD contract, see _receive).
+        self._receive_as_pump(req.server)
+        return True
+
+    def _receive_as_pump(self, i: int, until: Pending | None = None, *, ask: bool = True) -> None:
+        self._pump_owner = threading.get_ident()  # a callback that submits leaves it queued
+        try:
+            self._receive(i, until, ask=ask)
+        finally:
+            self._pump_owner = 0
 
     def stage(self, req: Request) -> bool | None:
         """Copy a push's payload into the shared arena of its server now, checking on
@@ -256,7 +239,7 @@ class Channel(Exchange):
                     else:
                         woke.append(fds.index(fd))
                 with self._io:
-                    self._pump(future, woke)
+                    self._answers(future, woke)
         finally:
             with self._lock:
                 self._drivers -= 1
@@ -266,6 +249,19 @@ class Channel(Exchange):
                     self._pump()  # the other waiters sleep on the descriptors
             if last and self.busy():
                 self._wake()  # the I/O thread watches the sockets again
+
+    def _answers(self, until: Pending, woke: list[int]) -> None:
+        """After a poll, with ``_io``: receive from the servers that woke this thread,
+        if nothing else is due; else :meth:`_pump`."""
+        if not woke or self._submitted or self._pump_owner or time.monotonic() >= self._next_check:
+            self._pump(until, woke)
+            return
+        for i in woke:
+            self._receive_as_pump(i, until, ask=False)
+        for s in self._servers:
+            if s.queue or self._submitted:
+                self._pump(until)  # submitted by a callback, or a reply gave credit back
+                return
 
     def _drained(self) -> bool:
         """Whether every socket's last receive found nothing (see :meth:`_receive`)."""
@@ -285,10 +281,12 @@ class Channel(Exchange):
 
     def busy(self) -> bool:
         """Whether requests are queued or in flight."""
-        with self._lock:
-            if self._submitted:
+        if self._submitted:  # read without the lock: one who appends after wakes the I/O thread
+            return True
+        for s in self._servers:  # noqa: SIM110 (a loop: cheaper than any() over a generator)
+            if s.inflight or s.queue:
                 return True
-        return any(s.inflight or s.queue for s in self._servers)
+        return False
 
     def unsaved(self) -> list[int]:
         """The servers holding pushes they acknowledged but have not yet put on disk."""

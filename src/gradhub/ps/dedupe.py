@@ -31,6 +31,9 @@ class _Session:
         return (seq <= self.low or seq in self.above) and seq not in self.refused
 
     def mark(self, seq: int, *, refused: bool = False) -> None:
+        if seq == self.low + 1 and not self.above and not refused:
+            self.low = seq  # the next one, nothing above: most requests
+            return
         if seq <= self.low or seq in self.above:
             return
         if refused:

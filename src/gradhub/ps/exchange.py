@@ -9,13 +9,8 @@ the sockets, and calls it while holding their lock.
   first, FIFO among equals, one key's requests never reordered) and are sent
   while the pushes in flight stay under ``max_inflight_bytes``, so that a
   high-priority push can pass a queue of low-priority ones (BytePS's credit).
-- **Deadlines.** Every request has a deadline (``timeout``); past it its
-  future fails with :class:`~gradhub.errors.ServerTimeoutError` naming the
-  server and key. A pull that named a user's arena tensor is cancelled first
-  (:mod:`gradhub.ps.arena.shared`): it fails once the server confirmed it will
-  not write into the tensor, or once its process is gone; a server that
-  confirms nothing within another ``timeout`` fails it with a message saying
-  the tensor may still change.
+- **Deadlines.** Every request has one (``timeout``):
+  :class:`~gradhub.ps.deadlines.Deadlines`, the base class.
 - **Exactly once.** Pushes and inits carry ``(worker_id, session, seq)``; a
   request not answered within ``retry_interval`` is sent again with the same
   numbers, and the server applies it once.
@@ -40,20 +35,34 @@ import logging
 import secrets
 import threading
 import time
-from concurrent.futures import Future
+from typing import Protocol
 
 import zmq
 
-from gradhub.errors import GradhubError, ProtocolError, ServerTimeoutError, ServerUnavailableError
+from gradhub.errors import GradhubError, ProtocolError
 from gradhub.ps import frames as wire
 from gradhub.ps import protocol, status
+from gradhub.ps.deadlines import Deadlines
 from gradhub.ps.link import MUTATING, Link, Request, closed_error, refused_error
-from gradhub.ps.protocol import Header, Message, Op, Status
+from gradhub.ps.protocol import (
+    PACK_MAX,
+    Header,
+    Message,
+    Op,
+    Status,
+    small,
+)
 
 log = logging.getLogger(__name__)
 
+_CONTROL_OPS = (Op.HELLO, Op.BYE, Op.HEARTBEAT)  # replies that are not answers to a request
 
-class Exchange:
+
+class _Awaited(Protocol):
+    finished: bool  # the channel's future (Pending): done, read without its lock
+
+
+class Exchange(Deadlines):
     """Requests to a list of servers (``_servers``, one :class:`Link` each, added by
     the subclass): their sends, retries, replies, deadlines and failures.
 
@@ -86,6 +95,7 @@ class Exchange:
         self._submitted: list[Request] = []
         self._ids = itertools.count(1)
         self._servers: list[Link] = []
+        self._aux = int(timeout * 1000)  # every request's aux: how long the server may hold it
 
     def _start_arena(self, s: Link, msg: Message) -> None:
         """Connect the shared arena a hello reply offers, if this host is the server's."""
@@ -152,6 +162,28 @@ class Exchange:
             except OSError as exc:
                 log.warning("shared arena with %s failed (%s); using ZeroMQ alone", s.address, exc)
                 self._drop_arena(s)
+        if locator is None and req.nbytes <= PACK_MAX and req.codec == "none":
+            frame = small.pack_request(
+                req.op,
+                req.key,
+                payload,
+                meta,
+                req.priority,
+                self.worker_id,
+                req.request_id,
+                self._session,
+                req.seq,
+                s.incarnation,
+                self._aux,
+                self._secret,
+            )
+            if frame is not None:
+                s.drained = False  # a send may take the descriptor's signal of a message waiting
+                try:
+                    s.sock.send(frame, copy=True)
+                except zmq.ZMQError as exc:
+                    log.debug("send to %s failed (%s); will retry", s.address, exc)
+                return
         header = Header(
             op=req.op,
             request_id=req.request_id,
@@ -161,7 +193,7 @@ class Exchange:
             incarnation=s.incarnation,
             priority=req.priority,
             codec=req.codec,
-            aux=int(self.timeout * 1000),  # how long the server may hold it
+            aux=self._aux,
         )
         frames = protocol.encode(
             header, req.key, payload, meta=meta, secret=self._secret, arena=locator, pack=True
@@ -179,7 +211,7 @@ class Exchange:
             s.arena.release(req, answered=answered)
         req.slot = None
 
-    def _receive(self, i: int, until: Future[None] | None = None, *, ask: bool = True) -> int:
+    def _receive(self, i: int, until: _Awaited | None = None, *, ask: bool = True) -> int:
         """Handle the messages waiting from server ``i`` (at most 1000); how many.
 
         Ends on a receive that found nothing (``s.drained``), as ``zmq.FD``
@@ -201,6 +233,12 @@ class Exchange:
                 s.drained = True
                 return n
             s.drained = False
+            if len(frames) == 1:
+                ack = small.read_ack(frames[0], self._secret)
+                if ack is not None and self._acked(s, *ack):
+                    if until is not None and until.finished:
+                        return n + 1
+                    continue
             try:
                 msg = protocol.decode(
                     frames,
@@ -219,7 +257,7 @@ class Exchange:
                 log.warning("dropped a reply from %s: %s", s.address, exc)
                 continue
             self._handle(s, msg)
-            if until is not None and until.done():
+            if until is not None and until.finished:
                 return n + 1
         return 1000
 
@@ -270,6 +308,29 @@ class Exchange:
             self._complete(s, req, msg)
         finally:
             self._release(s, req)
+
+    def _acked(self, s: Link, op: int, code: int, rid: int, incarnation: int, aux: int) -> bool:
+        """Handle a reply read by :func:`~gradhub.ps.protocol.small.read_ack` as
+        :meth:`_handle` would; ``False`` (nothing done) where that needs the decoded
+        message: not an OK answer to a request, or one whose reply has a callback."""
+        if code != Status.OK or op in _CONTROL_OPS:
+            return False
+        req = s.inflight.get(rid)
+        if req is None:
+            return True  # an answer to a retry we already had, or to a timed-out request
+        if req.on_reply is not None:
+            return False
+        del s.inflight[rid]
+        future = req.future
+        if req.op in MUTATING:
+            s.inflight_bytes -= req.nbytes
+            s.retain(req, aux)
+        elif req.op == Op.FLUSH:
+            s.prune(aux)
+        if future is not None and not future.done():
+            future.set_result(None)
+        self._release(s, req)
+        return True
 
     def _complete(self, s: Link, req: Request, msg: Message) -> None:
         h = msg.header
@@ -339,69 +400,6 @@ class Exchange:
         if s.hello is None:
             log.info("parameter server %s has a new incarnation; reconnecting", s.address)
             s.incarnation = 0
-
-    def _check_timers(self, now: float) -> None:
-        for i, s in enumerate(self._servers):
-            if s.failure is not None:
-                continue
-            if not s.connected_before:
-                late = s.queue.remove_if(lambda r: now >= r.submitted + self.connect_timeout)
-                for req in late:
-                    if req.future is not None and not req.future.done():
-                        req.future.set_exception(
-                            ServerUnavailableError(s.address, self.connect_timeout)
-                        )
-            if s.hello is not None and now >= s.hello.next_retry:
-                self._send_hello(i, s, now)
-            for rid, req in list(s.inflight.items()):
-                if now >= req.deadline:
-                    if self._cancel(s, req, now):
-                        continue  # in flight until the server confirms
-                    del s.inflight[rid]
-                    if req.op in MUTATING:
-                        s.inflight_bytes -= req.nbytes
-                    self._expire(s, req)
-                elif now >= req.next_retry and s.incarnation:
-                    req.next_retry = now + self.retry_interval
-                    self._send(s, req)
-            for req in s.queue.remove_if(lambda r: now >= r.deadline):
-                self._expire(s, req)
-
-    def _cancel(self, s: Link, req: Request, now: float) -> bool:
-        """At its deadline, a pull that named a user's tensor: ask the server not to
-        write into it, and wait up to another ``timeout`` for it to confirm
-        (:meth:`_confirmed`); whether it waits."""
-        if not req.named_user or req.cancelling or s.arena is None:
-            return False
-        try:
-            s.arena.cancel(req.request_id)
-        except OSError:
-            return False
-        req.cancelling = True
-        req.deadline, req.next_retry = now + self.timeout, float("inf")
-        return True
-
-    def _confirmed(self, s: Link) -> None:
-        """Fail the pulls whose cancel the server confirmed (see :meth:`_cancel`)."""
-        while s.arena is not None and s.arena.confirmed:
-            req = s.inflight.pop(s.arena.confirmed.pop(), None)
-            if req is not None:
-                req.cancelling = False  # settled: the server will not write into it
-                self._expire(s, req)
-
-    def _expire(self, s: Link, req: Request) -> None:
-        self._release(s, req, answered=False)
-        if req.future is not None and not req.future.done():
-            op = req.op.name.lower()
-            why = ""
-            if req.cancelling:
-                why = (
-                    "nor confirmed within another timeout that it will not write into the "
-                    "tensor: its bytes may still change"
-                )
-            req.future.set_exception(
-                ServerTimeoutError(s.address, req.user_key or None, op, self.timeout, why)
-            )
 
     def _fail_all(self, exc: GradhubError) -> None:
         with self._lock:

@@ -10,7 +10,9 @@ helpers send and receive frame by frame:
   :func:`gradhub.ps.protocol.tensor_frame`) is handed over without a copy, and
   ZeroMQ keeps it alive until it is sent.
 - :func:`receive`: the first frame as ``bytes`` (a client's whole packed
-  message), the rest as ``zmq.Frame`` (a large payload is not copied).
+  message), the rest as ``zmq.Frame`` (a large payload is not copied); each
+  frame's ``more`` spares asking the socket (``RCVMORE``, dearer than a
+  ``zmq.Frame``).
 - :func:`receive_routed`: the same on a ROUTER, whose first frame is the
   routing id (``bytes``), always followed by more: the frames after it are
   ``zmq.Frame``, whose ``more`` spares asking the socket (``RCVMORE``) per frame.
@@ -25,7 +27,7 @@ import zmq
 
 __all__ = ["receive", "receive_routed", "send"]
 
-_SNDMORE, _RCVMORE, _NOBLOCK = int(zmq.SNDMORE), int(zmq.RCVMORE), int(zmq.NOBLOCK)
+_SNDMORE, _NOBLOCK = int(zmq.SNDMORE), int(zmq.NOBLOCK)
 
 
 def send(sock: zmq.Socket[Any], frames: Sequence[Any]) -> None:
@@ -37,9 +39,11 @@ def send(sock: zmq.Socket[Any], frames: Sequence[Any]) -> None:
 
 def receive(sock: zmq.Socket[Any]) -> list[Any]:
     """The frames of the next message, without blocking (``zmq.Again`` if none)."""
-    frames: list[Any] = [sock.recv(_NOBLOCK)]
-    while sock.get(_RCVMORE):
-        frames.append(sock.recv(_NOBLOCK, copy=False))
+    frame = sock.recv(_NOBLOCK, copy=False)  # its ``more`` spares asking RCVMORE
+    frames: list[Any] = [frame.bytes]
+    while frame.more:
+        frame = sock.recv(_NOBLOCK, copy=False)
+        frames.append(frame)
     return frames
 
 

@@ -22,7 +22,7 @@ from gradhub.ps.arena.client import ClientArena, Slot
 from gradhub.ps.lanes import PriorityLanes
 from gradhub.ps.protocol import MUTATING, Message, Op
 
-__all__ = ["MUTATING", "Link", "Request", "closed_error", "refused_error"]
+__all__ = ["MUTATING", "Link", "Request", "closed_error", "dealer", "refused_error"]
 
 
 @dataclass
@@ -106,3 +106,21 @@ def closed_error(address: str) -> ClosedError:
         f"parameter server {address} shut down (it keeps no checkpoint to "
         "restart from, so its values are gone)"
     )
+
+
+def dealer(ctx: zmq.Context[Any], address: str) -> zmq.Socket[Any]:
+    """A DEALER connected to ``address``: no linger, no high-water marks (the
+    channel bounds what is in flight), reconnecting within 0.1-1 s;
+    ``ValueError`` naming a malformed address."""
+    sock: zmq.Socket[Any] = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.sndhwm = 0
+    sock.rcvhwm = 0
+    sock.setsockopt(zmq.RECONNECT_IVL, 100)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+    try:
+        sock.connect(address)
+    except zmq.ZMQError as exc:
+        sock.close(0)
+        raise ValueError(f"cannot connect to parameter server {address!r}: {exc}") from exc
+    return sock

@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
@@ -47,12 +46,13 @@ from gradhub.ps import arena as arenas
 from gradhub.ps import optim_state
 from gradhub.ps.addresses import check_address
 from gradhub.ps.base import ParameterServer, Replicas, as_replicas, check_key
-from gradhub.ps.channel import Channel, Pending
+from gradhub.ps.channel import Channel
 from gradhub.ps.client_config import ClientConfig
 from gradhub.ps.config import secret_bytes
 from gradhub.ps.link import Request
 from gradhub.ps.payloads import filler, meta_json
-from gradhub.ps.placement import DEFAULT_SLICE_BYTES, Piece, layout, split
+from gradhub.ps.pending import all_of
+from gradhub.ps.placement import DEFAULT_SLICE_BYTES, Piece, layout, server_index, split
 from gradhub.ps.protocol import Message, Op
 from gradhub.trees import all_finite
 
@@ -148,6 +148,10 @@ class RemoteParameterServer(ParameterServer):
         round, as a zero contribution) and applies nothing; send zeros.
         """
         self._check_open()
+        if type(grads) is torch.Tensor and not hyperparameters and not skip:
+            sent = self._push_one(key, grads, priority)
+            if sent is not None:
+                return sent
         check_key(key)
         fields: dict[str, Any] = {}
         if hyperparameters:
@@ -188,7 +192,30 @@ class RemoteParameterServer(ParameterServer):
             return self._refuse(key)
         held = None if owned else self._shared.claim(total, writes=False, what=f"push of {key!r}")
         return self._shared.hold(
-            _all_of(self._channel, [self._channel.submit(r) for r in requests]), [held]
+            all_of(self._channel, [self._channel.submit(r) for r in requests]), [held]
+        )
+
+    def _push_one(self, key: str, grad: torch.Tensor, priority: int) -> Future[None] | None:
+        """:meth:`push` of one tensor, uncompressed, small enough for one server and
+        no arena, and nothing else (the common small push), as the general path
+        would send it, without its steps for replicas, slices, codecs and arenas;
+        ``None`` for any other push (nothing done then)."""
+        total = grad.detach()
+        nbytes = total.numel() * total.element_size()
+        floating = total.is_floating_point()
+        if (
+            type(key) is not str
+            or nbytes > self.slice_bytes
+            or nbytes >= self._channel.arena_min_bytes
+            or (floating and self.codec.name != "none")
+            or self._shared.find(total) is not None  # empty_like's rules: the general path
+        ):
+            return None
+        if floating and not all_finite(total):
+            return self._refuse(key)
+        server = server_index(key, len(self.addresses))
+        return self._channel.submit(
+            Request(Op.PUSH, server, key=key, user_key=key, priority=int(priority), payload=total)
         )
 
     def _stage_finite(self, requests: list[Request]) -> bool:
@@ -249,7 +276,7 @@ class RemoteParameterServer(ParameterServer):
             )
             for piece in pieces
         ]
-        return self._shared.hold(_all_of(self._channel, futures), [held])
+        return self._shared.hold(all_of(self._channel, futures), [held])
 
     def empty_like(self, like: torch.Tensor) -> torch.Tensor:
         return self._shared.empty(like.shape, like.dtype)  # ClosedError once closed
@@ -421,29 +448,3 @@ class RemoteParameterServer(ParameterServer):
                 into=into,
             )
         )
-
-
-def _all_of(channel: Channel, futures: list[Future[None]]) -> Future[None]:
-    """A future done when all of ``futures`` are; it fails with the first failure
-    (waiting on it drives ``channel``, as waiting on one of them does)."""
-    if len(futures) == 1:
-        return futures[0]
-    out = Pending(channel)
-    remaining = [len(futures)]
-    lock = threading.Lock()
-
-    def done(f: Future[None]) -> None:
-        exc = f.exception()
-        with lock:
-            remaining[0] -= 1
-            last = remaining[0] == 0
-            if out.done():
-                return
-            if exc is not None:
-                out.set_exception(exc)
-            elif last:
-                out.set_result(None)
-
-    for f in futures:
-        f.add_done_callback(done)
-    return out

@@ -47,7 +47,7 @@ from gradhub.ps import arena, protocol
 from gradhub.ps import frames as wire
 from gradhub.ps.config import ServerConfig, default_optimizer
 from gradhub.ps.link import MUTATING
-from gradhub.ps.protocol import Message, Op, Status
+from gradhub.ps.protocol import Message, Op, Status, small
 from gradhub.ps.rejects import Rejects
 from gradhub.ps.service import Service
 from gradhub.ps.store import describe
@@ -211,20 +211,24 @@ class Server(Service):
             self.counters["dropped_malformed"] += 1
             return
         routing = frames[0]
-        try:
-            msg = protocol.decode(
-                frames[1:],
-                secret=self.config.secret,
-                max_payload=self.config.max_payload,
-                arena=None if self._arenas is None else self._arenas.resolve,
-            )
-            if msg.header.is_reply:
-                raise ProtocolError("a reply sent to a server")
-        except ProtocolError as exc:
-            refusal = self.rejects.reject(frames, exc)
-            if refusal is not None:
-                self._send(refusal)
-            return
+        msg = None
+        if len(frames) == 2:  # one packed frame: most requests, read in one step
+            msg = small.read_request(frames[1], self.config.secret, self.config.max_payload)
+        if msg is None:
+            try:
+                msg = protocol.decode(
+                    frames[1:],
+                    secret=self.config.secret,
+                    max_payload=self.config.max_payload,
+                    arena=None if self._arenas is None else self._arenas.resolve,
+                )
+                if msg.header.is_reply:
+                    raise ProtocolError("a reply sent to a server")
+            except ProtocolError as exc:
+                refusal = self.rejects.reject(frames, exc)
+                if refusal is not None:
+                    self._send(refusal)
+                return
         msg.routing = [routing]
         self._peers.add(routing)
         h = msg.header
@@ -238,7 +242,7 @@ class Server(Service):
             elif h.op == Op.FLUSH:
                 self._flushes.append(msg)  # answered after the queued requests ran
             else:
-                self._queue.push((routing, msg.key), msg, h.priority)
+                self._enqueue(msg)
         elif h.op == Op.HELLO:
             self._greeted.add((h.worker_id, h.session))
             self._reply(msg, aux=self.ledger.low(h.worker_id, h.session), payload=self._hello_info)
@@ -283,6 +287,34 @@ class Server(Service):
         meta: bytes = b"",
     ) -> None:
         if self._replaying:
+            return
+        if payload is None and not meta:  # an acknowledgement: one frame, packed at once
+            h = msg.header
+            frame = small.pack(
+                h.op,
+                protocol.FLAG_REPLY,
+                status,
+                msg.key.encode("utf-8"),
+                h.worker_id,
+                h.priority,
+                h.request_id,
+                h.session,
+                h.seq,
+                self.incarnation,
+                aux,
+                self.config.secret,
+            )
+            if self.persist.durable and status == Status.OK and h.op in MUTATING:
+                self._held.append([*msg.routing, frame])  # sent by _commit, once the log is synced
+                return
+            try:
+                for part in msg.routing:
+                    self._sock.send(part, zmq.SNDMORE)
+                self._sock.send(frame)
+            except zmq.ZMQError as exc:  # the peer went away; its retry will find us
+                log.debug("reply lost: %s", exc)
+                return
+            self.counters["replied"] += 1
             return
         header = protocol.reply(msg.header, incarnation=self.incarnation, status=status, aux=aux)
         locator = None

@@ -66,6 +66,8 @@ from gradhub.trees import all_finite
 
 log = logging.getLogger(__name__)
 
+_NO_META: dict[str, Any] = {}  # the meta of most pushes (read only)
+
 COUNTERS = (
     "received",
     "replied",
@@ -116,6 +118,7 @@ class Service:
         self._durable: dict[int, tuple[int, int]] = {}
         self._snapshots: dict[str, torch.Tensor] = {}
         self._queue: PriorityLanes[tuple[bytes, str], Message] = PriorityLanes()
+        self._next: Message | None = None  # a request queued alone (see _enqueue)
         self._rounds = Waits()  # pulls waiting for a sync round or for slow workers (ssp)
         self._inits = Waits()  # pushes and pulls of keys not initialised yet
         self._dirty = False
@@ -191,7 +194,21 @@ class Service:
             **self.consistency.summary(),
         }
 
+    def _enqueue(self, msg: Message) -> None:
+        """Queue a data request; the first one into an empty queue waits aside in
+        ``_next`` (the queue's order is kept: it is the first one out)."""
+        if self._next is None and not self._queue:
+            self._next = msg
+            return
+        if self._next is not None:
+            first, self._next = self._next, None
+            self._queue.push((first.routing[0], first.key), first, first.header.priority)
+        self._queue.push((msg.routing[0], msg.key), msg, msg.header.priority)
+
     def _run_queue(self) -> None:
+        if self._next is not None:
+            first, self._next = self._next, None
+            self._execute(first)
         while (taken := self._queue.pop()) is not None:
             self._execute(taken[1])
 
@@ -260,7 +277,7 @@ class Service:
         check_like(msg.key, value, grad)
         if grad.is_floating_point() and not all_finite(grad):
             raise NonFiniteError(f"push of {msg.key!r} holds NaN or infinity; refused")
-        meta = msg.meta_json()
+        meta = msg.meta_json() if msg.meta else _NO_META
         hyper = meta.get("hyperparameters")
         if hyper:
             self.store.set_hyperparameters(msg.key, hyper)

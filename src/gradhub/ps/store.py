@@ -98,7 +98,7 @@ def _plain_sgd(optimizer: torch.optim.Optimizer, value: torch.Tensor) -> bool:
     runs that one operation itself, the same bits without the ~30 us of
     ``Optimizer.step``'s machinery, which was a third of a small push's CPU on
     the server (SGD is the default optimizer)."""
-    if type(optimizer) is not torch.optim.SGD or value.device.type != "cpu":
+    if type(optimizer) is not torch.optim.SGD or not value.is_cpu:
         return False
     group = optimizer.param_groups[0]
     return (

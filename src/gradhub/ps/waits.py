@@ -51,7 +51,7 @@ class Waits:
         return sum(len(v) for v in self._by_key.values())
 
     def __bool__(self) -> bool:  # asked on every pass of the server's loop: no count
-        return any(self._by_key.values())
+        return bool(self._by_key)  # its lists are never empty (hold, release, expired)
 
     def held_keys(self) -> list[str]:
         return list(self._by_key)
