@@ -223,6 +223,9 @@ def test_gradhub_serve_command(tmp_path: object, capsys: pytest.CaptureFixture[s
         stderr=subprocess.DEVNULL,
         text=True,
         env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        # Ctrl-C as in a terminal: a suite started in the background (``make test &``)
+        # passes its children SIGINT ignored, and Python then keeps ignoring it.
+        preexec_fn=_default_sigint,
     )
     try:
         assert proc.stdout is not None
@@ -252,6 +255,10 @@ def test_gradhub_serve_command(tmp_path: object, capsys: pytest.CaptureFixture[s
     # Refused before anything starts (in this process: no server to run).
     assert cli_main(["serve", "--bind", "tcp://0.0.0.0:1"]) == 2
     assert "secret" in capsys.readouterr().err
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _free_port() -> int:
