@@ -76,55 +76,42 @@ Linux only (``memfd_create``, ``pidfd_open``, ``futex``), x86-64 or aarch64.
 
 from __future__ import annotations
 
+import ctypes
 import logging
-from collections.abc import Callable, Sequence
+import os
+import select
+from collections.abc import Sequence
 
 import torch
 
 from gradhub import codecs
+from gradhub._shm.futex import futex_wait, futex_wake
 from gradhub._shm.memory import Mapping, forgetting_views, supported
 from gradhub.errors import ClosedError, CollectiveTimeoutError, WorkerFailedError
 from gradhub.transports.base import Chunking, Ranges, Transport
 from gradhub.transports.group import CollectiveGroup, Operation
-from gradhub.transports.schedule import add_in_order, reduction_order, sub_ranges
-from gradhub.transports.shm_control import COMPLETE, Control, control_bytes
+from gradhub.transports.schedule import add_in_order, reduction_order
 from gradhub.transports.shm_setup import (
     Joined,
     SharedVectors,
     died_error,
     join,
+    late_error,
     share_segment,
 )
 
 _log = logging.getLogger("gradhub.collective")
 
-PIECE_ELEMENTS = 1 << 18
-"""Elements per piece (1 MiB of fp32): an operation writes and reads its
-chunks piece by piece, so a peer reads a piece while it is still in the
-cache of the core that wrote it, and no rank waits for more than one piece
-of a peer while it has pieces of its own to write. Every rank must use the
-same value."""
+WAIT_SLICE = 0.1
+"""Seconds a futex wait sleeps before the peer's process is checked again."""
 
+_LINE = 64  # bytes per counter: one cache line each
+_STRIDE = _LINE // 8
 _ALIGN = 4096
 _MIN_CAPACITY = 1 << 20
 
 Segments = Sequence[Sequence[tuple[int, int]]]
 """``owned[i]``: the ``(start, length)`` segments local rank ``i`` owns."""
-
-Piece = tuple[int, int, int]
-"""``(start, length, at)``: a piece of a rank's segments, and where it lies
-when the segments are put back to back."""
-
-
-def pieces(segments: Sequence[tuple[int, int]]) -> list[Piece]:
-    """``segments`` cut into pieces of at most :data:`PIECE_ELEMENTS`, in order."""
-    out, at = [], 0
-    for start, length in segments:
-        for s, n in sub_ranges(start, length, PIECE_ELEMENTS):
-            out.append((s, n, at))
-            at += n
-    assert len(out) < COMPLETE, "raise PIECE_ELEMENTS"
-    return out
 
 
 class ShmTransport(Transport):
@@ -149,26 +136,30 @@ class ShmTransport(Transport):
         self._capacity = 0
         self._data: Mapping | None = None
         self._joined = Joined()
-        self._control: Control | None = None
+        self._pidfds: dict[int, int] = {}
         self._closed = False
+        self._counters: ctypes.Array[ctypes.c_int64] = (ctypes.c_int64 * 0)()
+        self._base = 0
         self._op = op
         self._shared = SharedVectors()
         try:
+            control_bytes = max(_ALIGN, 4 * self.size * _LINE)  # entered, done, 2 x exposed
             self._joined = join(
-                group,
-                self.ranks,
-                op,
-                key,
-                control_bytes(self.size),
-                self._died_now,
-                self._setup_timeout,
+                group, self.ranks, op, key, control_bytes, self._died_now, self._setup_timeout
             )
-            control = self._joined.control
-            assert control is not None and control.mm is not None
-            self._control = Control(group, self.ranks, self._joined.pids, control.mm, op)
+            for i, pid in enumerate(self._joined.pids):
+                if i != self.index:
+                    try:
+                        self._pidfds[i] = os.pidfd_open(pid)
+                    except ProcessLookupError:
+                        raise self._died(op, i, "set-up") from None
         except BaseException:
             self.close()
             raise
+        control = self._joined.control
+        assert control is not None
+        self._counters = (ctypes.c_int64 * (4 * self.size * _STRIDE)).from_buffer(control.mm)
+        self._base = ctypes.addressof(self._counters)
         _log.debug(
             "[rank %d] shared memory with ranks %s (pids %s)",
             group.rank,
@@ -214,13 +205,26 @@ class ShmTransport(Transport):
         (it is this rank's whole shared vector and the wire holds fp32) or this
         rank's region. One flag per rank and set ``k % 2``, as the regions."""
         vector = self._shared.id_of(tensor, self.index) if plain else 0
-        self._ctl.set_flag(k, vector)
+        self._counters[self._flag(k, self.index)] = vector
         return vector != 0
+
+    def _flag(self, k: int, j: int) -> int:
+        return (2 * self.size + (k % 2) * self.size + j) * _STRIDE
 
     def _sources(self, k: int, regions: list[torch.Tensor]) -> list[torch.Tensor]:
         """Where each rank's values of operation ``k`` lie: its vector or its region."""
-        flags = self._ctl.flags(k)
+        flags = [self._counters[self._flag(k, j)] for j in range(self.size)]
         return [self._shared.vector(f, j) if f else regions[j] for j, f in enumerate(flags)]
+
+    def _finish(self, op: Operation, k: int, during: str, exposed: bool) -> None:
+        """Say this rank is done reading operation ``k``; if ``exposed``, wait until
+        every rank is (then nothing reads this rank's vector any more)."""
+        done = self.size * _STRIDE
+        self._counters[done + self.index * _STRIDE] = k
+        futex_wake(self._address(self.size + self.index))
+        for j in range(self.size) if exposed else ():
+            if j != self.index and self._counters[done + j * _STRIDE] < k:
+                self._sleep_until(op, j, k, during, self.size + j)
 
     @forgetting_views
     def broadcast(self, op: Operation, tensor: torch.Tensor, root: int) -> None:
@@ -229,8 +233,8 @@ class ShmTransport(Transport):
         source = self.ranks.index(root)
         if self.index == source:
             regions[source].copy_(raw)
-        self._ctl.mark(k, COMPLETE)
-        self._ctl.wait(op, k, COMPLETE, "broadcast")
+        self._publish(k)
+        self._wait_all(op, k, "broadcast")
         if self.index != source:
             raw.copy_(regions[source])
         del regions
@@ -260,40 +264,31 @@ class ShmTransport(Transport):
         prescale = hop and codec.wire_dtype == torch.float16
         dtype = torch.float32 if plain or hop else codec.wire_dtype
         k, regions = self._begin(op, flat.numel(), dtype)
+        mine = regions[me]
         exposed = self._expose(k, flat, plain)
-        # round i: piece i of every other rank's segments, into this rank's region
-        others = [[] if c == me or exposed else pieces(segs) for c, segs in enumerate(owned)]
-
-        def write(i: int) -> None:
-            mine = regions[me]
-            for c_pieces in others:
-                if i >= len(c_pieces):
+        for c, segments in enumerate(owned if not exposed else ()):
+            for s, n in segments if c != me else ():
+                if n == 0:
                     continue
-                s, n, _ = c_pieces[i]
                 if prescale:
                     torch.div(flat[s : s + n], P, out=mine[s : s + n])
                 elif plain or hop:
                     mine[s : s + n].copy_(flat[s : s + n])
                 else:
                     mine[s : s + n].copy_(codec.encode(flat[s : s + n]))
-
-        own = pieces(owned[me])
+        self._publish(k)
+        self._wait_all(op, k, "reduce_scatter")
+        sources = self._sources(k, regions)
         order = reduction_order(me, P)  # this rank last
-        sources: list[torch.Tensor] = []
-
-        def read(i: int) -> None:
-            if not sources:
-                sources.extend(self._sources(k, regions))
-            s, n, at = own[i]
+        at = 0
+        for s, n in owned[me]:
             parts = [sources[j][s : s + n] for j in order[:-1]]
             scratch = self.group.scratch("shm_acc", n, torch.float32)
             add_in_order(parts, flat[s : s + n], codec, out[at : at + n], hop=hop, scratch=scratch)
-
-        rounds = max(map(len, others))
-        self._pipeline(op, k, rounds, write, len(own), read, "reduce_scatter")
-        regions.clear()  # drop the views before the wait
-        sources.clear()
-        self._ctl.finish(op, k, "reduce_scatter", exposed)
+            at += n
+            del parts
+        del regions, mine, sources
+        self._finish(op, k, "reduce_scatter", exposed)
 
     @forgetting_views
     def all_gather_segments(
@@ -313,85 +308,42 @@ class ShmTransport(Transport):
         plain = isinstance(codec, codecs.NoCompression)
         k, regions = self._begin(op, out.numel(), codec.wire_dtype)
         exposed = self._expose(k, out, plain)
-        own = pieces(owned[me])
-
-        def write(i: int) -> None:
-            # into the region (or into place in the exposed vector), then into
-            # this rank's own place in out, while the piece is in the cache
-            s, n, at = own[i]
-            wire, into = own_wire[at : at + n], out[s : s + n]
-            region = into if exposed else regions[me][s : s + n]
-            if region.data_ptr() != wire.data_ptr():
-                region.copy_(wire)
-            if not exposed and not (plain and wire.data_ptr() == into.data_ptr()):
-                into.copy_(wire if plain else codec.decode(wire))
-
-        others = [[] if c == me else pieces(segs) for c, segs in enumerate(owned)]
-        sources: list[torch.Tensor] = []
-
-        def read(i: int) -> None:
-            if not sources:
-                sources.extend(self._sources(k, regions))
-            for c, c_pieces in enumerate(others):
-                if i < len(c_pieces):
-                    s, n, _ = c_pieces[i]
-                    part = sources[c][s : s + n]
-                    out[s : s + n].copy_(part if plain else codec.decode(part))
-
-        rounds = max(map(len, others))
-        self._pipeline(op, k, len(own), write, rounds, read, "all_gather")
-        regions.clear()  # drop the views before the wait
-        sources.clear()
-        self._ctl.finish(op, k, "all_gather", exposed)
+        at = 0
+        for s, n in owned[me]:  # into the region, or into place in the exposed vector
+            into = out[s : s + n] if exposed else regions[me][s : s + n]
+            if into.data_ptr() != own_wire[at:].data_ptr():
+                into.copy_(own_wire[at : at + n])
+            at += n
+        self._publish(k)
+        at = 0
+        for s, n in owned[me] if not exposed else ():
+            wire, own_out = own_wire[at : at + n], out[s : s + n]
+            at += n
+            if n and not (plain and wire.data_ptr() == own_out.data_ptr()):
+                own_out.copy_(wire if plain else codec.decode(wire))
+        self._wait_all(op, k, "all_gather")
+        sources = self._sources(k, regions)
+        for c, segments in enumerate(owned):
+            for s, n in segments if c != me else ():
+                if n == 0:
+                    continue
+                part = sources[c][s : s + n]
+                out[s : s + n].copy_(part if plain else codec.decode(part))
+        del regions, sources
+        self._finish(op, k, "all_gather", exposed)
 
     # -------------------------------------------------------- synchronisation
-    @property
-    def _ctl(self) -> Control:
-        if self._control is None:
-            raise ClosedError(f"[rank {self.group.rank}] the shared-memory transport is closed")
-        return self._control
-
-    def _pipeline(
-        self,
-        op: Operation,
-        k: int,
-        writes: int,
-        write: Callable[[int], None],
-        reads: int,
-        read: Callable[[int], None],
-        during: str,
-    ) -> None:
-        """Write rounds ``0 .. writes - 1`` of operation ``k``, each followed by a
-        mark, and run ``read(i)`` once every other rank marked round ``i``: after
-        each write, the reads whose rounds are there; then the rest, waiting.
-        Writes never wait, so no rank waits on one that waits on it."""
-        ctl, done = self._ctl, 0
-        for i in range(writes):
-            write(i)
-            ctl.mark(k, i + 1 if i + 1 < writes else COMPLETE)
-            while done < reads and done <= i and ctl.ready(k, done + 1):
-                read(done)
-                done += 1
-        if writes == 0:
-            ctl.mark(k, COMPLETE)
-        for i in range(done, reads):
-            ctl.wait(op, k, i + 1, during)
-            read(i)
-
     def _begin(
         self, op: Operation, numel: int, dtype: torch.dtype
     ) -> tuple[int, list[torch.Tensor]]:
-        """Number the operation, grow the data segment if needed, enter it (once
-        every rank has entered the previous one, so nobody still reads this
-        operation's set) and return the regions of its set as ``numel``-element views."""
+        """Number the operation, grow the data segment if needed, and return
+        the regions of this operation's set as ``numel``-element views."""
         k = self._next(op)
         itemsize = torch.empty((), dtype=dtype).element_size()
         need = -(-max(numel * itemsize, 1) // _ALIGN) * _ALIGN
         if need > self._capacity:
             self._grow(op, max(need, 2 * self._capacity, _MIN_CAPACITY))
         assert self._data is not None and self._data.bytes is not None
-        self._ctl.mark(k, 0, wake=False)
-        self._ctl.wait(op, k - 1, 0, op.name)
         base = (k % 2) * self.size * self._capacity
         data = self._data.bytes
         regions = [
@@ -421,16 +373,58 @@ class ShmTransport(Transport):
             self._data.close()
         self._data, self._capacity = mapping, mapping.size // (2 * self.size)
 
+    def _publish(self, k: int) -> None:
+        self._counters[self.index * _STRIDE] = k  # one aligned 8-byte store
+        futex_wake(self._address(self.index))
+
+    def _address(self, index: int) -> int:
+        return self._base + index * _LINE
+
+    def _wait_all(self, op: Operation, k: int, during: str) -> None:
+        counters = self._counters
+        for j in range(self.size):
+            if j != self.index and counters[j * _STRIDE] < k:
+                self._sleep_until(op, j, k, during)
+
+    def _sleep_until(
+        self, op: Operation, j: int, k: int, during: str, line: int | None = None
+    ) -> None:
+        """Sleep until counter ``line`` (default: rank ``j``'s entered counter)
+        reaches ``k``; rank ``j`` is the one named if it does not."""
+        line = j if line is None else line
+        counters, slot = self._counters, line * _STRIDE
+        address = self._address(line)
+        while True:
+            seen = counters[slot]
+            if seen >= k:
+                return
+            remaining = op.remaining()
+            if remaining <= 0:
+                raise self._late(j)
+            futex_wait(address, seen, min(WAIT_SLICE, remaining))
+            if counters[slot] < k and not self._alive(j):
+                raise self._died(op, j, during)
+
+    def _alive(self, j: int) -> bool:
+        poller = select.poll()
+        poller.register(self._pidfds[j], select.POLLIN)
+        return not poller.poll(0)  # a pidfd is readable once its process exited
+
     # ---------------------------------------------------------------- errors
     def _late(self, j: int) -> CollectiveTimeoutError:
-        return self._ctl.late(self._op, self._sequence, j)
+        """The counters are this transport's check-ins: a rank whose counter is
+        behind this operation's number has not entered it."""
+        k, counters = self._sequence, self._counters
+        behind = [self.ranks[i] for i in range(self.size) if counters[i * _STRIDE] < k]
+        return late_error(self.group, self._op, behind, self.ranks[j])
 
     def _died_now(self, j: int, during: str) -> WorkerFailedError:
-        if self._control is not None:
-            return self._control.died(self._op, j, during)
+        return self._died(self._op, j, during)
+
+    def _died(self, op: Operation, j: int, during: str) -> WorkerFailedError:
         pids = self._joined.pids
         pid = pids[j] if j < len(pids) else None
-        return died_error(self.group, self._op, self.ranks[j], pid, during)
+        return died_error(self.group, op, self.ranks[j], pid, during)
 
     def _setup_timeout(self, missing: list[int]) -> CollectiveTimeoutError:
         return self.group.timed_out(self._op, missing[0] if len(missing) == 1 else None)
@@ -441,11 +435,13 @@ class ShmTransport(Transport):
         if self._closed:
             return
         self._closed = True
-        if self._control is not None:
-            self._control.close()  # releases the control mapping's buffer
+        self._counters = (ctypes.c_int64 * 0)()  # releases the control mapping's buffer
         self._shared.close()
         for mapping in (self._data, self._joined.control):
             if mapping is not None:
                 mapping.close()
         self._data = self._joined.control = None
         self._joined.close()
+        for fd in self._pidfds.values():
+            os.close(fd)
+        self._pidfds.clear()
