@@ -331,3 +331,31 @@ def test_transport_names_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     assert transport.requested("SHM") == "shm"  # the keyword wins over the environment
     monkeypatch.setenv(transport.TRANSPORT_ENV, "ring")
     assert transport.requested(None) == "ring"
+
+
+# ------------------------------------------------- all-gather from memory
+def unreadable_job(rank: int, world_size: int, port: int) -> dict[str, object]:
+    """Rank 1 may not read the others' memory (as where Yama or a container
+    forbids ``process_vm_readv``): every rank must then all-gather through the
+    regions, and get the same sums."""
+    torch.set_num_threads(1)
+    if rank == 1:
+        from gradhub._shm import cma
+
+        cma.readable = lambda *args: False  # type: ignore[assignment] (this process only)
+    n = 300_001
+    # small integers: every summation order gives the same, exact sums
+    x = torch.arange(n, dtype=torch.float32) % 7 + rank
+    expected = torch.arange(n, dtype=torch.float32) % 7 * world_size + sum(range(world_size))
+    with local_group(rank, world_size, port, timeout=60, transport="shm") as group:
+        start, length = partition_ranges(n, world_size)[rank]
+        mine = x[start : start + length]
+        reduce_scatter(x, group=group, out=mine)
+        all_gather(mine, n, group=group, out=x)
+        chosen = group.transport_choice
+        return {"cross": chosen._cross, "equal": torch.equal(x, expected)}
+
+
+def test_an_unreadable_peer_makes_every_rank_gather_through_the_regions() -> None:
+    results = run_ranks(unreadable_job, 3, free_port(), timeout=120)
+    assert [r.value for r in results] == [{"cross": False, "equal": True}] * 3

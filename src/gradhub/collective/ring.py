@@ -16,9 +16,11 @@ contract (:mod:`gradhub.transports.base`): on the ring, shared memory and one
 rank, the same bits, fixed run to run and on every rank. The functions
 always return the plain sum (``"fp16"``'s scaling is undone).
 
-Operations run on the group's worker thread in the order they are called
-(:meth:`CollectiveGroup.submit`), so several callers cannot interleave
-differently on different ranks.
+Operations run one at a time in the order they are called, on the group's
+worker thread (:meth:`CollectiveGroup.submit`; ``reduce_scatter`` and
+``all_gather``, whose callers wait at once, on the calling thread when
+nothing is queued: :meth:`CollectiveGroup.call`), so several callers cannot
+interleave differently on different ranks.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ def reduce_scatter(
     c = codecs.get(compress)
     with CollectiveGroup.borrow(group) as g:
         flat = _flat_fp32(tensor, g.device)
-        return g.submit(
+        return g.call(
             "reduce_scatter",
             lambda: run_reduce_scatter(
                 g,
@@ -82,7 +84,7 @@ def reduce_scatter(
                 pipeline=pipeline_elements,
                 small_bytes=small_bytes,
             ),
-        ).wait()
+        )
 
 
 def all_gather(
@@ -106,7 +108,7 @@ def all_gather(
         flat = _flat_fp32(partition, g.device)
         # fp32 on the wire: the slice is copied into place by the all-gather itself.
         wire = flat if isinstance(c, codecs.NoCompression) else c.encode(flat)
-        return g.submit(
+        return g.call(
             "all_gather",
             lambda: run_all_gather(
                 g,
@@ -118,7 +120,7 @@ def all_gather(
                 pipeline=pipeline_elements,
                 small_bytes=small_bytes,
             ),
-        ).wait()
+        )
 
 
 def all_reduce(

@@ -3,7 +3,7 @@
 :class:`CollectiveGroup` wraps one ``torch.distributed`` process group with
 what gradhub's collectives need around it: the backend and device, one
 timeout, a c10d store for check-ins, an operation counter and one worker
-thread on which operations run in order. Setting a group up from the
+thread on which operations run in order (:mod:`.worker`). Setting a group up from the
 launcher's environment is :mod:`gradhub.runtime`'s job.
 
 Decisions:
@@ -50,7 +50,6 @@ Decisions:
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import logging
 import threading
@@ -76,6 +75,7 @@ from gradhub.transports.stores import (
     roll_call,
     store_name,
 )
+from gradhub.transports.worker import Worker
 
 __all__ = ["CollectiveFuture", "CollectiveGroup", "Operation", "default_store"]
 
@@ -128,7 +128,7 @@ class CollectiveGroup:
         self._owns = owns_process_group
         self._sequence = 0
         self._lock = threading.Lock()
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._worker = Worker(self.rank)
         self._broken: str | None = None
         self._closed = False
         self._scratch: dict[tuple[str, torch.dtype], torch.Tensor] = {}
@@ -356,24 +356,20 @@ class CollectiveGroup:
         before it; the same order on every rank keeps the ranks in step."""
         if self._closed:
             raise ClosedError(f"[rank {self.rank}] {name}: the collective group is closed")
-        if self._executor is None:
-            self._executor = concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix=f"gradhub-collective-r{self.rank}"
-            )
-        future: CollectiveFuture[T] = CollectiveFuture(name, self.timeout)
+        return self._worker.submit(name, self.timeout, fn)
 
-        def run() -> T:
-            future._mark_started()
-            return fn()
-
-        future._future = self._executor.submit(run)
-        return future
+    def call(self, name: str, fn: Callable[[], T]) -> T:
+        """``submit(name, fn).wait()``, run on the calling thread where nothing is
+        queued (see :class:`~.worker.Worker`)."""
+        if self._closed:
+            raise ClosedError(f"[rank {self.rank}] {name}: the collective group is closed")
+        return self._worker.call(name, self.timeout, fn)
 
     def scratch(self, slot: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A reusable buffer of ``numel`` elements for ``slot`` (grown, never shrunk).
 
-        For the bodies of operations, which run one at a time on the worker
-        thread: fresh large buffers every call would cost a page fault per 4 KiB,
+        For the bodies of operations, which run one at a time (:mod:`.worker`):
+        fresh large buffers every call would cost a page fault per 4 KiB,
         as much as the transfer itself on a CPU. Never hand one to a caller.
         """
         buf = self._scratch.get((slot, dtype))
@@ -400,8 +396,7 @@ class CollectiveGroup:
         if self._closed:
             return
         self._closed = True
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
+        self._worker.shutdown()
         for fn in self._on_close:
             fn()
         self._on_close.clear()

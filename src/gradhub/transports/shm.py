@@ -8,7 +8,9 @@ closes the descriptor. Nothing has a name in a file system, so a killed process 
 nothing behind: the kernel frees a segment when its last mapping goes.
 
 - A small control segment holds, per rank, each on its own cache line, a
-  64-bit sequence counter, a "done" counter and two exposure flags.
+  64-bit sequence counter, a "done" counter, two exposure flags and two
+  addresses (:mod:`.shm_control`, which also waits and names the rank that
+  does not come).
 - A data segment holds two sets of one region per rank (each region as large
   as the vector); operation ``k`` uses set ``k % 2``. It grows (a new segment
   from the leader, sent over the socket) when a larger vector comes; every
@@ -19,7 +21,8 @@ nothing behind: the kernel frees a segment when its last mapping goes.
 Algorithm (one synchronisation per operation):
 
 1. Each rank writes what the other ranks need into its region of set ``k % 2``
-   (reduce-scatter: every chunk but its own; all-gather: its own slice;
+   (reduce-scatter: every chunk but its own; all-gather: its own slice, or
+   nothing where the others read it in this rank's memory, below;
    broadcast: the root its tensor's bytes, the others nothing), then
    stores ``k`` in its counter and wakes the waiters.
 2. It waits until every other counter reaches ``k``.
@@ -31,6 +34,14 @@ Algorithm (one synchronisation per operation):
 Operation ``k + 2`` reuses set ``k % 2``; a rank gets there only after every
 counter reached ``k + 1``, i.e. after every rank finished reading operation
 ``k``. So one synchronisation per operation suffices.
+
+All-gather from the owners' memory: where every rank may read every other
+rank's memory (``process_vm_readv``, :mod:`gradhub._shm.cma`; agreed at
+set-up, as same-user processes may unless Yama's ``ptrace_scope`` or a
+container forbids it), a rank all-gathering fp32 publishes the address of its
+slice instead of copying it into its region, and the others copy it straight
+into their output: one copy instead of two. It then waits, as for a vector
+read in place, until every rank is done reading ("done" counters).
 
 Bits: the sums are those of the ring (:mod:`.p2p_ring`) for every codec. With
 ``hop=True`` (the ring's point-to-point path) a lossy codec rounds the partial
@@ -48,65 +59,60 @@ owner's slice out of the owner's vector. Each ends with a second
 synchronisation ("done" counters), so on return no rank reads this rank's
 vector any more and the caller may write it.
 
-Waiting: ``futex`` waits on the peer's counter in the kernel (no spinning:
-the ranks may share fewer cores than there are ranks), in slices of
-:data:`WAIT_SLICE` seconds; after each slice the peer's process is checked
-through a ``pidfd``: a dead peer is a
-:class:`~gradhub.errors.WorkerFailedError` naming its rank and pid, and a peer
-that is alive but late past the operation's deadline a
-:class:`~gradhub.errors.CollectiveTimeoutError` naming it. Either breaks the
-group, as on the ring.
+Waiting and failures: :mod:`.shm_control` (a dead peer is a
+:class:`~gradhub.errors.WorkerFailedError` naming its rank and pid, a late
+one a :class:`~gradhub.errors.CollectiveTimeoutError` naming it; either
+breaks the group, as on the ring).
 
 Cost: with ``h`` the bytes of half the vector (2 ranks), an in-place
-reduce-scatter + all-gather reads and writes, per rank, ``9 h``: the other
-half into shared memory (``h`` read, ``h`` written), the sum of its own half
-(``2 h`` read, ``h`` written), its sum into shared memory and the peer's sum
-out (``2 h`` read, ``2 h`` written). That is the least two separate calls on
-private tensors allow (each must publish what the peer needs and fetch what
-it publishes), so the time is memory bandwidth: ``benchmarks/collectives.py``
-prints the floor ``4.5 h / C`` (C: this machine's one-thread copy rate)
-beside the measured time; vectors read in place need ``5 h``: ``2.5 h / C``.
-Profiled (py-spy, 16M fp32), the worker thread spends two thirds of its
-samples in the copies and the add (a copy into shared memory costs more than
-the add), 12-22% in futex waits, 8% idle between operations (thread
-hand-offs), the rest in Python.
+reduce-scatter + all-gather through the regions reads and writes, per rank,
+``9 h``: the other half into shared memory (``h`` read, ``h`` written), the
+sum of its own half (``2 h`` read, ``h`` written), its sum into shared memory
+and the peer's sum out (``2 h`` read, ``2 h`` written).
+``benchmarks/collectives.py`` prints the floor ``4.5 h / C`` (C: this
+machine's one-thread copy rate) beside the measured time; vectors read in
+place need ``5 h``: ``2.5 h / C``. The all-gather from the owner's memory
+moves ``2 h`` instead of ``4 h`` (in the kernel, about 1.6 times a copy's
+time per byte here). Profiled on the 2-core machine (16M fp32, per rank and
+call pair): CPU time is within 10% of the floor when the ranks run one at a
+time; when both run at once each copy slows by about a quarter (the cores
+share the memory), and the rest of the wall time is waiting for a core
+that other work holds.
 
 Linux only (``memfd_create``, ``pidfd_open``, ``futex``), x86-64 or aarch64.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import os
-import select
 from collections.abc import Sequence
 
 import torch
 
 from gradhub import codecs
-from gradhub._shm.futex import futex_wait, futex_wake
+from gradhub._shm import cma
 from gradhub._shm.memory import Mapping, forgetting_views, supported
-from gradhub.errors import ClosedError, CollectiveTimeoutError, WorkerFailedError
+from gradhub.errors import ClosedError, CollectiveTimeoutError, StateError, WorkerFailedError
 from gradhub.transports.base import Chunking, Ranges, Transport
 from gradhub.transports.group import CollectiveGroup, Operation
 from gradhub.transports.schedule import add_in_order, reduction_order
+from gradhub.transports.shm_control import (
+    ADDRESS,
+    ENTERED,
+    FLAG,
+    Control,
+    control_bytes,
+)
 from gradhub.transports.shm_setup import (
     Joined,
     SharedVectors,
     died_error,
     join,
-    late_error,
     share_segment,
 )
 
 _log = logging.getLogger("gradhub.collective")
 
-WAIT_SLICE = 0.1
-"""Seconds a futex wait sleeps before the peer's process is checked again."""
-
-_LINE = 64  # bytes per counter: one cache line each
-_STRIDE = _LINE // 8
 _ALIGN = 4096
 _MIN_CAPACITY = 1 << 20
 
@@ -136,35 +142,28 @@ class ShmTransport(Transport):
         self._capacity = 0
         self._data: Mapping | None = None
         self._joined = Joined()
-        self._pidfds: dict[int, int] = {}
+        self._control: Control | None = None
         self._closed = False
-        self._counters: ctypes.Array[ctypes.c_int64] = (ctypes.c_int64 * 0)()
-        self._base = 0
         self._op = op
         self._shared = SharedVectors()
         try:
-            control_bytes = max(_ALIGN, 4 * self.size * _LINE)  # entered, done, 2 x exposed
+            size = control_bytes(self.size)
             self._joined = join(
-                group, self.ranks, op, key, control_bytes, self._died_now, self._setup_timeout
+                group, self.ranks, op, key, size, self._died_now, self._setup_timeout
             )
-            for i, pid in enumerate(self._joined.pids):
-                if i != self.index:
-                    try:
-                        self._pidfds[i] = os.pidfd_open(pid)
-                    except ProcessLookupError:
-                        raise self._died(op, i, "set-up") from None
+            control = self._joined.control
+            assert control is not None
+            self._control = Control(group, self.ranks, self._joined.pids, control.mm, op)
+            self._cross = self._control.cross_reads(op)
         except BaseException:
             self.close()
             raise
-        control = self._joined.control
-        assert control is not None
-        self._counters = (ctypes.c_int64 * (4 * self.size * _STRIDE)).from_buffer(control.mm)
-        self._base = ctypes.addressof(self._counters)
         _log.debug(
-            "[rank %d] shared memory with ranks %s (pids %s)",
+            "[rank %d] shared memory with ranks %s (pids %s), all-gather %s",
             group.rank,
             self.ranks,
             self._joined.pids,
+            "from the owners' memory" if self._cross else "through the regions",
         )
 
     # -------------------------------------------------------- the interface
@@ -205,26 +204,18 @@ class ShmTransport(Transport):
         (it is this rank's whole shared vector and the wire holds fp32) or this
         rank's region. One flag per rank and set ``k % 2``, as the regions."""
         vector = self._shared.id_of(tensor, self.index) if plain else 0
-        self._counters[self._flag(k, self.index)] = vector
+        self._ctl.set(FLAG + k % 2, vector)
         return vector != 0
-
-    def _flag(self, k: int, j: int) -> int:
-        return (2 * self.size + (k % 2) * self.size + j) * _STRIDE
 
     def _sources(self, k: int, regions: list[torch.Tensor]) -> list[torch.Tensor]:
         """Where each rank's values of operation ``k`` lie: its vector or its region."""
-        flags = [self._counters[self._flag(k, j)] for j in range(self.size)]
+        flags = [self._ctl.get(FLAG + k % 2, j) for j in range(self.size)]
         return [self._shared.vector(f, j) if f else regions[j] for j, f in enumerate(flags)]
 
     def _finish(self, op: Operation, k: int, during: str, exposed: bool) -> None:
-        """Say this rank is done reading operation ``k``; if ``exposed``, wait until
-        every rank is (then nothing reads this rank's vector any more)."""
-        done = self.size * _STRIDE
-        self._counters[done + self.index * _STRIDE] = k
-        futex_wake(self._address(self.size + self.index))
-        for j in range(self.size) if exposed else ():
-            if j != self.index and self._counters[done + j * _STRIDE] < k:
-                self._sleep_until(op, j, k, during, self.size + j)
+        """Say this rank is done reading operation ``k``; if ``exposed`` (the others
+        read this rank's own memory), wait until every rank is."""
+        self._ctl.finish(op, k, during, exposed)
 
     @forgetting_views
     def broadcast(self, op: Operation, tensor: torch.Tensor, root: int) -> None:
@@ -233,8 +224,7 @@ class ShmTransport(Transport):
         source = self.ranks.index(root)
         if self.index == source:
             regions[source].copy_(raw)
-        self._publish(k)
-        self._wait_all(op, k, "broadcast")
+        self._publish(op, k, "broadcast")
         if self.index != source:
             raw.copy_(regions[source])
         del regions
@@ -276,8 +266,7 @@ class ShmTransport(Transport):
                     mine[s : s + n].copy_(flat[s : s + n])
                 else:
                     mine[s : s + n].copy_(codec.encode(flat[s : s + n]))
-        self._publish(k)
-        self._wait_all(op, k, "reduce_scatter")
+        self._publish(op, k, "reduce_scatter")
         sources = self._sources(k, regions)
         order = reduction_order(me, P)  # this rank last
         at = 0
@@ -308,29 +297,48 @@ class ShmTransport(Transport):
         plain = isinstance(codec, codecs.NoCompression)
         k, regions = self._begin(op, out.numel(), codec.wire_dtype)
         exposed = self._expose(k, out, plain)
+        # the others read this rank's slice where it lies (one copy, not two)
+        direct = self._cross and plain and not exposed and own_wire.is_contiguous()
+        self._ctl.set(ADDRESS + k % 2, own_wire.data_ptr() if direct else 0)
         at = 0
-        for s, n in owned[me]:  # into the region, or into place in the exposed vector
+        for s, n in owned[me] if not direct else ():  # into the region, or the exposed vector
             into = out[s : s + n] if exposed else regions[me][s : s + n]
             if into.data_ptr() != own_wire[at:].data_ptr():
                 into.copy_(own_wire[at : at + n])
             at += n
-        self._publish(k)
+        self._ctl.publish(ENTERED, k)
         at = 0
         for s, n in owned[me] if not exposed else ():
             wire, own_out = own_wire[at : at + n], out[s : s + n]
             at += n
             if n and not (plain and wire.data_ptr() == own_out.data_ptr()):
                 own_out.copy_(wire if plain else codec.decode(wire))
-        self._wait_all(op, k, "all_gather")
+        self._ctl.wait_all(op, k, ENTERED, k, "all_gather")
         sources = self._sources(k, regions)
         for c, segments in enumerate(owned):
+            address, at = self._ctl.get(ADDRESS + k % 2, c), 0
             for s, n in segments if c != me else ():
-                if n == 0:
-                    continue
-                part = sources[c][s : s + n]
-                out[s : s + n].copy_(part if plain else codec.decode(part))
+                if address and n:
+                    self._read(op, c, address + at * out.element_size(), out[s : s + n])
+                elif n:
+                    part = sources[c][s : s + n]
+                    out[s : s + n].copy_(part if plain else codec.decode(part))
+                at += n
         del regions, sources
-        self._finish(op, k, "all_gather", exposed)
+        self._finish(op, k, "all_gather", exposed or direct)
+
+    def _read(self, op: Operation, c: int, address: int, into: torch.Tensor) -> None:
+        """Copy rank ``c``'s values at ``address`` in its memory into ``into``."""
+        try:
+            cma.read_into(self._joined.pids[c], address, into)
+        except OSError as exc:
+            if not self._ctl.alive(c):
+                raise self._died(op, c, "all_gather") from exc
+            self.group.mark_broken(f"{op.name} failed")
+            raise StateError(
+                f"[rank {self.group.rank}] {op.name}: reading rank {self.ranks[c]}'s slice "
+                f"in its memory failed ({exc}). The group is unusable: restart the job"
+            ) from exc
 
     # -------------------------------------------------------- synchronisation
     def _begin(
@@ -373,58 +381,29 @@ class ShmTransport(Transport):
             self._data.close()
         self._data, self._capacity = mapping, mapping.size // (2 * self.size)
 
-    def _publish(self, k: int) -> None:
-        self._counters[self.index * _STRIDE] = k  # one aligned 8-byte store
-        futex_wake(self._address(self.index))
+    @property
+    def _ctl(self) -> Control:
+        if self._control is None:
+            raise ClosedError(f"[rank {self.group.rank}] the shared-memory transport is closed")
+        return self._control
 
-    def _address(self, index: int) -> int:
-        return self._base + index * _LINE
-
-    def _wait_all(self, op: Operation, k: int, during: str) -> None:
-        counters = self._counters
-        for j in range(self.size):
-            if j != self.index and counters[j * _STRIDE] < k:
-                self._sleep_until(op, j, k, during)
-
-    def _sleep_until(
-        self, op: Operation, j: int, k: int, during: str, line: int | None = None
-    ) -> None:
-        """Sleep until counter ``line`` (default: rank ``j``'s entered counter)
-        reaches ``k``; rank ``j`` is the one named if it does not."""
-        line = j if line is None else line
-        counters, slot = self._counters, line * _STRIDE
-        address = self._address(line)
-        while True:
-            seen = counters[slot]
-            if seen >= k:
-                return
-            remaining = op.remaining()
-            if remaining <= 0:
-                raise self._late(j)
-            futex_wait(address, seen, min(WAIT_SLICE, remaining))
-            if counters[slot] < k and not self._alive(j):
-                raise self._died(op, j, during)
-
-    def _alive(self, j: int) -> bool:
-        poller = select.poll()
-        poller.register(self._pidfds[j], select.POLLIN)
-        return not poller.poll(0)  # a pidfd is readable once its process exited
+    def _publish(self, op: Operation, k: int, during: str) -> None:
+        """Say this rank's data of operation ``k`` are there; wait for every rank's."""
+        self._ctl.publish(ENTERED, k)
+        self._ctl.wait_all(op, k, ENTERED, k, during)
 
     # ---------------------------------------------------------------- errors
     def _late(self, j: int) -> CollectiveTimeoutError:
-        """The counters are this transport's check-ins: a rank whose counter is
-        behind this operation's number has not entered it."""
-        k, counters = self._sequence, self._counters
-        behind = [self.ranks[i] for i in range(self.size) if counters[i * _STRIDE] < k]
-        return late_error(self.group, self._op, behind, self.ranks[j])
+        return self._ctl.late(self._op, self._sequence, j)
 
     def _died_now(self, j: int, during: str) -> WorkerFailedError:
         return self._died(self._op, j, during)
 
     def _died(self, op: Operation, j: int, during: str) -> WorkerFailedError:
+        if self._control is not None:
+            return self._control.died(op, j, during)
         pids = self._joined.pids
-        pid = pids[j] if j < len(pids) else None
-        return died_error(self.group, op, self.ranks[j], pid, during)
+        return died_error(self.group, op, self.ranks[j], pids[j] if j < len(pids) else None, during)
 
     def _setup_timeout(self, missing: list[int]) -> CollectiveTimeoutError:
         return self.group.timed_out(self._op, missing[0] if len(missing) == 1 else None)
@@ -435,13 +414,11 @@ class ShmTransport(Transport):
         if self._closed:
             return
         self._closed = True
-        self._counters = (ctypes.c_int64 * 0)()  # releases the control mapping's buffer
+        if self._control is not None:
+            self._control.close()  # releases the control mapping's buffer and the pidfds
         self._shared.close()
         for mapping in (self._data, self._joined.control):
             if mapping is not None:
                 mapping.close()
         self._data = self._joined.control = None
         self._joined.close()
-        for fd in self._pidfds.values():
-            os.close(fd)
-        self._pidfds.clear()

@@ -1,0 +1,169 @@
+"""The shared-memory transport's control segment: counters, waits, who is to blame.
+
+Per rank, each on its own cache line: a sequence counter (the last operation
+it entered, its data published), a "done" counter (the last operation whose
+reads it finished), and per region set (operation ``k`` uses set ``k % 2``)
+an exposure flag (which shared vector it exposes, 0: none) and an address
+(where the other ranks read its all-gather slice in its own memory, 0:
+in its region); and a line for the set-up's handshake.
+
+Waiting: ``futex`` waits on a counter in the kernel (no spinning: the ranks
+may share fewer cores than there are ranks), in slices of :data:`WAIT_SLICE`
+seconds; after each slice the peer's process is checked through a ``pidfd``:
+a dead peer is a :class:`~gradhub.errors.WorkerFailedError` naming its rank
+and pid, and a peer that is alive but late past the operation's deadline a
+:class:`~gradhub.errors.CollectiveTimeoutError` naming it. Either breaks the
+group, as on the ring.
+
+Memory ordering: a counter is stored after the data it publishes; x86-64
+keeps stores in order, and the ``futex`` system calls on both sides are full
+barriers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import select
+from collections.abc import Sequence
+
+import torch
+
+from gradhub._shm import cma
+from gradhub._shm.futex import futex_wait, futex_wake
+from gradhub.errors import CollectiveTimeoutError, WorkerFailedError
+from gradhub.transports.group import CollectiveGroup, Operation
+from gradhub.transports.shm_setup import died_error, late_error
+
+WAIT_SLICE = 0.1
+"""Seconds a futex wait sleeps before the peer's process is checked again."""
+
+_LINE = 64  # bytes per counter: one cache line each
+_STRIDE = _LINE // 8
+ENTERED, DONE, FLAG, ADDRESS, HELLO = 0, 1, 2, 4, 6  # FLAG and ADDRESS: + k % 2
+_KINDS = 7
+
+
+def control_bytes(size: int) -> int:
+    """Bytes of the control segment of ``size`` ranks."""
+    return max(4096, _KINDS * size * _LINE)
+
+
+class Control:
+    """This rank's view of the control segment of ``ranks`` (group ranks, by local
+    index), whose processes are ``pids``. Opens a ``pidfd`` of every other rank's
+    process; :meth:`close` closes them and releases the segment's buffer."""
+
+    def __init__(
+        self,
+        group: CollectiveGroup,
+        ranks: Sequence[int],
+        pids: Sequence[int],
+        segment: mmap.mmap,
+        op: Operation,
+    ):
+        self.group, self.ranks, self.pids = group, list(ranks), list(pids)
+        self.size = len(self.ranks)
+        self.index = self.ranks.index(group.rank)
+        self._pidfds: dict[int, int] = {}
+        self._counters = (ctypes.c_int64 * (_KINDS * self.size * _STRIDE)).from_buffer(segment)
+        self._base = ctypes.addressof(self._counters)
+        for i, pid in enumerate(self.pids):
+            if i != self.index:
+                try:
+                    self._pidfds[i] = os.pidfd_open(pid)
+                except ProcessLookupError:
+                    self.close()
+                    raise self.died(op, i, "set-up") from None
+
+    # ---------------------------------------------------------------- lines
+    def _slot(self, kind: int, j: int) -> int:
+        return (kind * self.size + j) * _STRIDE
+
+    def get(self, kind: int, j: int) -> int:
+        return int(self._counters[self._slot(kind, j)])
+
+    def set(self, kind: int, value: int) -> None:
+        """Store ``value`` in this rank's line ``kind`` (no wake)."""
+        self._counters[self._slot(kind, self.index)] = value
+
+    def publish(self, kind: int, value: int) -> None:
+        """Store ``value`` in this rank's line ``kind`` and wake its waiters."""
+        self._counters[self._slot(kind, self.index)] = value  # one aligned 8-byte store
+        futex_wake(self._base + self._slot(kind, self.index) * 8)
+
+    def wait_all(self, op: Operation, k: int, kind: int, value: int, during: str) -> None:
+        """Sleep until every other rank's line ``kind`` reaches ``value`` (in this
+        transport's operation ``k``)."""
+        for j in range(self.size):
+            if j != self.index and self.get(kind, j) < value:
+                self._sleep_until(op, k, j, kind, value, during)
+
+    def finish(self, op: Operation, k: int, during: str, read_here: bool) -> None:
+        """Say this rank is done reading operation ``k``; if the others read this
+        rank's own memory (``read_here``), wait until every rank is."""
+        self.publish(DONE, k)
+        if read_here:
+            self.wait_all(op, k, DONE, k, during)
+
+    def cross_reads(self, op: Operation) -> bool:
+        """Whether every rank may read every other rank's memory (:mod:`.cma`),
+        agreed at set-up (collective): each rank shows the others a line whose
+        value is its own address, and says whether it could read theirs."""
+        me = self._base + self._slot(ADDRESS, self.index) * 8
+        self.set(ADDRESS, me)
+        self.publish(HELLO, 1)
+        self.wait_all(op, 0, HELLO, 1, "set-up")
+        readable = all(
+            cma.readable(self.pids[j], a, torch.tensor([a], dtype=torch.int64))
+            for j in range(self.size)
+            if j != self.index
+            for a in [self.get(ADDRESS, j)]
+        )
+        self.publish(HELLO, 2 if readable else 3)
+        self.wait_all(op, 0, HELLO, 2, "set-up")
+        return all(self.get(HELLO, j) == 2 for j in range(self.size))
+
+    # ---------------------------------------------------------------- waits
+    def _sleep_until(
+        self, op: Operation, k: int, j: int, kind: int, value: int, during: str
+    ) -> None:
+        """Sleep until rank ``j``'s line ``kind`` reaches ``value``; rank ``j`` is
+        the one named if it does not."""
+        counters, slot = self._counters, self._slot(kind, j)
+        address = self._base + slot * 8
+        while True:
+            seen = counters[slot]
+            if seen >= value:
+                return
+            remaining = op.remaining()
+            if remaining <= 0:
+                raise self.late(op, k, j)
+            futex_wait(address, seen, min(WAIT_SLICE, remaining))
+            if counters[slot] < value and not self.alive(j):
+                raise self.died(op, j, during)
+
+    def alive(self, j: int) -> bool:
+        poller = select.poll()
+        poller.register(self._pidfds[j], select.POLLIN)
+        return not poller.poll(0)  # a pidfd is readable once its process exited
+
+    # --------------------------------------------------------------- errors
+    def late(self, op: Operation, k: int, j: int) -> CollectiveTimeoutError:
+        """``op`` (this transport's operation ``k``) ran out of time waiting on
+        rank ``j``. The counters are this transport's check-ins: a rank whose
+        counter is behind ``k`` has not entered it."""
+        behind = [self.ranks[i] for i in range(self.size) if self.get(ENTERED, i) < k]
+        return late_error(self.group, op, behind, self.ranks[j])
+
+    def died(self, op: Operation, j: int, during: str) -> WorkerFailedError:
+        pid = self.pids[j] if j < len(self.pids) else None
+        return died_error(self.group, op, self.ranks[j], pid, during)
+
+    def close(self) -> None:
+        """Close the pidfds and release the segment's buffer. Idempotent."""
+        self._counters = (ctypes.c_int64 * 0)()
+        for fd in self._pidfds.values():
+            os.close(fd)
+        self._pidfds.clear()

@@ -1,0 +1,94 @@
+"""A collective group's worker: its operations one at a time, in the order called.
+
+:meth:`Worker.submit` queues an operation on the group's one worker thread
+and returns a future (the caller may overlap other work with it).
+:meth:`Worker.call` runs an operation whose caller waits for it at once:
+on the calling thread itself when nothing is queued or running and the
+thread's torch state is that of a fresh thread (so the body computes what it
+would on the worker), else on the worker thread. Running in place saves the
+two thread hand-offs of a queued operation (wake the worker, wake the
+caller), which on a busy machine may each wait for a core.
+
+Either way one operation runs at a time (a lock, held by whichever thread
+runs one), and an operation called after another on the same thread runs
+after it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+from gradhub.transports.operation import CollectiveFuture
+
+T = TypeVar("T")
+
+
+def _fresh_thread_state() -> bool:
+    """Whether this thread's torch state is that of a new thread (the worker's):
+    grad on, no inference mode, autocast or torch function or dispatch modes."""
+    return (
+        torch.is_grad_enabled()
+        and not torch.is_inference_mode_enabled()
+        and not torch.is_autocast_enabled("cpu")
+        and torch._C._len_torch_function_stack() == 0
+        and torch._C._len_torch_dispatch_stack() == 0
+    )
+
+
+class Worker:
+    """The worker of the group of ``rank`` (the name of its thread)."""
+
+    def __init__(self, rank: int):
+        self._rank = rank
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()  # guards _queued and the choice to run in place
+        self._queued = 0  # submitted and not finished
+        self._running = threading.Lock()  # held while an operation runs
+
+    def submit(self, name: str, timeout: float, fn: Callable[[], T]) -> CollectiveFuture[T]:
+        """Run ``fn`` on the worker thread, after every operation submitted before it."""
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix=f"gradhub-collective-r{self._rank}"
+            )
+        future: CollectiveFuture[T] = CollectiveFuture(name, timeout)
+
+        def run() -> T:
+            try:
+                with self._running:
+                    future._mark_started()
+                    return fn()
+            finally:
+                with self._lock:
+                    self._queued -= 1
+
+        with self._lock:
+            self._queued += 1
+        try:
+            future._future = self._executor.submit(run)
+        except BaseException:
+            with self._lock:
+                self._queued -= 1
+            raise
+        return future
+
+    def call(self, name: str, timeout: float, fn: Callable[[], T]) -> T:
+        """``submit(name, timeout, fn).wait()``, in place where that computes the same."""
+        with self._lock:
+            here = self._queued == 0 and _fresh_thread_state() and self._running.acquire(False)
+        if not here:
+            return self.submit(name, timeout, fn).wait()
+        try:
+            return fn()
+        finally:
+            self._running.release()
+
+    def shutdown(self) -> None:
+        """Finish the queued operations and stop the thread."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
