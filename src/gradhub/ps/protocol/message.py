@@ -180,7 +180,7 @@ class Message:
         return bytes(memoryview(self.payload)).decode("utf-8", errors="replace")
 
 
-_NUMPY_DTYPES = frozenset(
+NUMPY_DTYPES = frozenset(
     {
         torch.float64,
         torch.float32,
@@ -206,7 +206,7 @@ def tensor_frame(tensor: torch.Tensor) -> memoryview | bytes:
         t = t.cpu()
     if t.numel() == 0:
         return b""
-    if t.dtype in _NUMPY_DTYPES and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
+    if t.dtype in NUMPY_DTYPES and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
         # One call instead of three torch views: the bytes of a dtype numpy knows.
         return memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]
     t = t.contiguous().reshape(-1).view(torch.uint8)

@@ -36,6 +36,7 @@ from gradhub.ps.protocol.message import (
     MAX_KEY_BYTES,
     MAX_META_BYTES,
     MAX_NDIM,
+    NUMPY_DTYPES,
     VERSION,
     Header,
     Message,
@@ -48,19 +49,6 @@ _ZEROS = (0,) * MAX_NDIM
 _OP_OF, _STATUS_OF = _OPS, _STATUSES  # codes -> Op, Status
 _DTYPE_CODES = {d: c for c, d in DTYPES.items()}
 _NO_SHAPE: tuple[int, ...] = ()
-_NUMPY_DTYPES = frozenset(
-    {
-        torch.float32,
-        torch.float64,
-        torch.float16,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-        torch.bool,
-    }
-)  # a tensor's bytes in one call (what tensor_frame does for them)
 _ACK_VIEW = struct.Struct(f"<3sBHH4sH8xQ16xQQ{8 + 8 * MAX_NDIM}s")
 """The header as an acknowledgement is read (see ``_HEADER``): magic and version,
 op, flags, status, (dtype, codec, ndim, padding), key length, (worker id,
@@ -158,7 +146,7 @@ def pack_request(
         shape = tuple(payload.shape)
         if not dcode or len(shape) > MAX_NDIM:
             return None
-        if payload.dtype in _NUMPY_DTYPES and payload.numel() and not _special(payload):
+        if payload.dtype in NUMPY_DTYPES and payload.numel() and not _special(payload):
             data = memoryview(payload.numpy()).cast("B")  # type: ignore[arg-type]
         else:
             data = tensor_frame(payload)
