@@ -57,6 +57,16 @@ class RanksFailed(AssertionError):
         super().__init__("\n".join(lines))
 
 
+def wait_until(check: Callable[[], bool], seconds: float) -> bool:
+    """Whether ``check()`` came true within ``seconds`` (asked every 50 ms)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def _child(
     fn: Callable[..., Any],
     rank: int,

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -27,6 +26,7 @@ from gradhub import (
 )
 from gradhub.ps import arena, protocol
 from gradhub.ps.protocol import Header, Op
+from harness import wait_until
 
 pytestmark = pytest.mark.skipif(not arena.enabled(True), reason="needs memfd and send_fds")
 
@@ -135,15 +135,6 @@ def _arena_maps() -> int:
     return Path("/proc/self/maps").read_text().count("memfd:gradhub-ps")
 
 
-def _wait_until(check: Callable[[], bool], seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.05)
-    return False
-
-
 @pytest.mark.slow
 def test_killed_process_frees_its_arena_and_its_peers_go_on() -> None:
     """One child process is a client of a server here and a server of a client here;
@@ -173,7 +164,7 @@ def test_killed_process_frees_its_arena_and_its_peers_go_on() -> None:
                     client.pull("w", torch.empty(1 << 16)).result(60)
                 assert time.monotonic() - start < 20  # at once, not after the 60 s timeout
                 # the server here unmapped the child's segments, the client its own
-                assert _wait_until(lambda: _arena_maps() == 0, 10)
+                assert wait_until(lambda: _arena_maps() == 0, 10)
             with RemoteParameterServer(here.address, worker_id=7, timeout=30) as ps:
                 out = torch.empty(1 << 18)
                 ps.pull("big", out).result(30)  # still serving; the child's push applied once

@@ -10,7 +10,7 @@ import gc
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,21 +28,12 @@ from gradhub import (
 )
 from gradhub.ps import arena
 from gradhub.ps.launch import ServerHandle
-from harness import free_port
+from harness import free_port, wait_until
 
 pytestmark = pytest.mark.skipif(not arena.enabled(True), reason="needs memfd and send_fds")
 
 SECRET = "shared secret"
 N = 1 << 16  # 256 KB of float32: through the arena, sliced over two servers below
-
-
-def _wait_until(check: Callable[[], bool], seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def _mapped(pid: int | None) -> int:
@@ -285,11 +276,11 @@ def test_a_shared_tensors_memory_lives_as_long_as_the_tensor() -> None:
         del view
         gc.collect()
         ps.pull("w", kept).result(20)  # carries the word that the segment is gone
-        assert _wait_until(lambda: _mapped(server.pid) == 1, 10)
+        assert wait_until(lambda: _mapped(server.pid) == 1, 10)
         ps.push("w", torch.ones(N)).result(20)
         ps.pull("w", kept).result(20)
         ps.close()
-        assert _wait_until(lambda: _mapped(server.pid) == 0, 10)
+        assert wait_until(lambda: _mapped(server.pid) == 0, 10)
         assert torch.equal(kept, torch.full((N,), -1.0))  # still this process's memory
         kept.add_(1.0)
         assert _mapped(os.getpid()) == 1
