@@ -191,8 +191,7 @@ class CollectiveGroup:
     def begin(self, name: str, timeout: float | None = None, *, check_in: bool = True) -> Operation:
         """Start operation ``name``: check it is allowed, number it, check in
         (``check_in=False``: a transport that tells who entered by itself)."""
-        if self._closed:
-            raise ClosedError(f"[rank {self.rank}] {name}: the collective group is closed")
+        self._check_open(name)
         if self._broken is not None:
             raise StateError(
                 f"[rank {self.rank}] {name}: the group is broken by an earlier failure "
@@ -354,16 +353,18 @@ class CollectiveGroup:
     def submit(self, name: str, fn: Callable[[], T]) -> CollectiveFuture[T]:
         """Run ``fn`` on the group's worker thread, after every operation submitted
         before it; the same order on every rank keeps the ranks in step."""
-        if self._closed:
-            raise ClosedError(f"[rank {self.rank}] {name}: the collective group is closed")
+        self._check_open(name)
         return self._worker.submit(name, self.timeout, fn)
 
     def call(self, name: str, fn: Callable[[], T]) -> T:
         """``submit(name, fn).wait()``, run on the calling thread where nothing is
         queued (see :class:`~.worker.Worker`)."""
+        self._check_open(name)
+        return self._worker.call(name, self.timeout, fn)
+
+    def _check_open(self, name: str) -> None:
         if self._closed:
             raise ClosedError(f"[rank {self.rank}] {name}: the collective group is closed")
-        return self._worker.call(name, self.timeout, fn)
 
     def scratch(self, slot: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A reusable buffer of ``numel`` elements for ``slot`` (grown, never shrunk).
