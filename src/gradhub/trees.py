@@ -64,6 +64,16 @@ def all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t).all())
 
 
+def finite_array(a: np.ndarray[Any, Any]) -> bool:
+    """:func:`all_finite` of a floating NumPy array (a tensor's ``numpy()`` view):
+    a few elements read in Python, no call into torch; more by NumPy."""
+    if a.size == 1:
+        return math.isfinite(a.item())
+    if a.size <= _SMALL:
+        return all(map(math.isfinite, a.ravel().tolist()))
+    return bool(np.isfinite(a).all())
+
+
 def copy_finite(dst: torch.Tensor, src: torch.Tensor) -> bool:
     """Copy ``src`` into ``dst`` (contiguous, same shape and dtype) and tell whether
     it holds no NaN or infinity (as :func:`all_finite`).

@@ -1,6 +1,9 @@
 """The small-message path (``gradhub.ps.protocol.small`` and its callers) against
 the general one: the same bytes on the wire, the same checks, the same server
-state and replies, and exactly-once kept for a retried small push."""
+state and replies, and exactly-once kept for a retried small push. On the client,
+a push's bytes come from one numpy view (``small.wire_of``); on the server, a
+small gradient is written into a tensor the store keeps per key
+(``ParameterStore.small_grad``): both give the general path's bytes and bits."""
 
 from __future__ import annotations
 
@@ -15,10 +18,13 @@ from hypothesis import strategies as st
 
 from gradhub import RemoteParameterServer, ServerConfig, start_server
 from gradhub.errors import ProtocolError
+from gradhub.optim import OptimizerSpec
 from gradhub.ps import protocol
+from gradhub.ps import remote as remote_module
 from gradhub.ps.dedupe import Ledger
 from gradhub.ps.protocol import FLAG_REPLY, Header, Op, Status, small
 from gradhub.ps.protocol.message import DTYPES
+from gradhub.ps.store import ParameterStore
 
 _SECRETS = st.sampled_from([None, b"k" * 32])
 _KEYS = st.text(min_size=0, max_size=12)
@@ -58,6 +64,27 @@ def test_packed_request_bytes_and_reading_match_the_general_path(
     assert got.header == want.header and got.key == want.key and got.meta == want.meta
     assert bytes(got.payload) == bytes(want.payload)
     assert torch.equal(got.tensor(), want.tensor())
+    known = small.wire_of(payload)
+    assert (known is None) == (numel == 0 or dtype == torch.bfloat16)  # numpy has no bfloat16
+    if known is not None:  # the client's small push: the same frame from its wire form
+        wired = small.pack_request(
+            op, key, payload, meta, -2, 3, 7, 11, 5, 13, 1200, secret, known[0]
+        )
+        assert wired == lean
+
+
+def test_wire_form_leaves_to_the_general_path_what_needs_it() -> None:
+    base = torch.arange(6, dtype=torch.float32)
+    assert small.wire_of(base) is not None
+    for t in (
+        base.clone().requires_grad_(),
+        base._neg_view(),
+        base[::2],  # not contiguous
+        torch.nn.Parameter(base.clone(), requires_grad=False),  # a subclass
+        torch.empty(0),
+        base.to(torch.bfloat16),
+    ):
+        assert small.wire_of(t) is None, t
 
 
 @settings(max_examples=60, deadline=None)
@@ -128,6 +155,8 @@ def _run(monkeypatch: pytest.MonkeyPatch | None, secret: str | None) -> tuple[li
         monkeypatch.setattr(small, "read_request", lambda *a: None)
         monkeypatch.setattr(small, "read_ack", lambda *a: None)
         monkeypatch.setattr(small, "pack_request", lambda *a: None)
+        monkeypatch.setattr(remote_module, "wire_of", lambda t: None)
+        monkeypatch.setattr(ParameterStore, "small_grad", lambda *a: None)
     config = ServerConfig(optimizer="sgd", lr=0.1, secret=secret)
     rng = random.Random(5)
     with (
@@ -199,3 +228,124 @@ def test_a_retried_small_push_is_applied_once_and_answered_alike() -> None:
             ctx.term()
     assert report["counters"]["push_applied"] == 1
     assert report["counters"]["push_duplicate"] == 1
+
+
+class _OwnSGD(torch.optim.SGD):
+    """An optimizer class outside torch.optim: it might keep the gradient it is given."""
+
+
+def test_store_small_grad_gives_apply_the_same_bits_in_one_tensor_per_key() -> None:
+    spec = OptimizerSpec.of("sgd", lr=0.1)
+    store, reference = ParameterStore(spec), ParameterStore(spec)
+    for s in (store, reference):
+        s.init("k", torch.zeros(3))
+        s.init("wide", torch.zeros(65))
+        s.init("half", torch.zeros(2, dtype=torch.float16))
+    gen = torch.Generator().manual_seed(3)
+    kept = set()
+    for _ in range(5):
+        grad = torch.randn(3, generator=gen)
+        got = store.small_grad("k", torch.float32, (3,), memoryview(grad.numpy()).cast("B"))
+        assert got is not None and torch.equal(got, grad)
+        kept.add(got.data_ptr())
+        store.apply("k", got)
+        reference.apply("k", grad)
+    assert len(kept) == 1  # filled in place: no tensor made per push
+    assert torch.equal(store.value("k"), reference.value("k"))
+
+    def small_grad(
+        key: str, values: list[float], shape: tuple[int, ...] = (3,), dtype=torch.float32
+    ):
+        data = torch.tensor(values, dtype=dtype).numpy().tobytes()
+        return store.small_grad(key, dtype, shape, data)
+
+    assert small_grad("k", [1.0, float("nan"), 0.0]) is None  # the general path refuses it
+    assert small_grad("k", [1.0, 2.0, float("-inf")]) is None
+    assert small_grad("k", [1.0, 2.0, 3.0], dtype=torch.float64) is None  # unlike the value
+    assert small_grad("k", [1.0, 2.0, 3.0], shape=(1, 3)) is None
+    assert small_grad("k", [1.0, 2.0]) is None  # the bytes of another size
+    assert small_grad("wide", [0.0] * 65, shape=(65,)) is None  # too many to read in Python
+    assert small_grad("half", [1.0, 2.0], shape=(2,), dtype=torch.float16) is None
+    assert small_grad("unknown", [1.0, 2.0, 3.0]) is None
+    assert torch.equal(store.value("k"), reference.value("k"))  # none of these changed it
+
+    own = ParameterStore(lambda params: _OwnSGD(params, lr=0.1))
+    own.init("k", torch.zeros(3))
+    assert own.small_grad("k", torch.float32, (3,), bytes(12)) is None
+
+
+def test_a_small_push_holding_nan_is_refused_by_the_server_and_changes_nothing() -> None:
+    config = ServerConfig(optimizer="sgd", lr=1.0)
+    with start_server(config, in_thread=True) as server:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.rcvtimeo = 10_000
+        sock.connect(server.address)
+        try:
+            sock.send_multipart(
+                protocol.encode(Header(op=Op.HELLO, request_id=1, worker_id=2, session=5), "", None)
+            )
+            incarnation = protocol.decode(sock.recv_multipart()).header.incarnation
+            init = Header(
+                op=Op.INIT, request_id=2, worker_id=2, session=5, seq=1, incarnation=incarnation
+            )
+            sock.send_multipart(protocol.encode(init, "k", torch.zeros(2)))
+            assert protocol.decode(sock.recv_multipart()).header.status == Status.OK
+            statuses = []
+            for seq, grad in ((2, [float("nan"), 1.0]), (3, [0.5, 1.0])):
+                push = small.pack_request(
+                    Op.PUSH,
+                    "k",
+                    torch.tensor(grad),
+                    b"",
+                    0,
+                    2,
+                    seq + 1,
+                    5,
+                    seq,
+                    incarnation,
+                    0,
+                    None,
+                )
+                assert push is not None
+                sock.send(push)
+                statuses.append(protocol.decode([sock.recv()]).header.status)
+            pull = Header(op=Op.PULL, request_id=9, worker_id=2, session=5, incarnation=incarnation)
+            sock.send_multipart(protocol.encode(pull, "k", None))
+            value = protocol.decode(sock.recv_multipart()).tensor()
+        finally:
+            sock.close(0)
+            ctx.term()
+    assert statuses == [Status.NON_FINITE, Status.OK]
+    assert value.tolist() == [-0.5, -1.0]  # the finite push alone, applied once
+
+
+def _sync_rounds(monkeypatch: pytest.MonkeyPatch | None) -> list[int]:
+    """Three rounds of two workers' small pushes on a sync server; the bits pulled."""
+    if monkeypatch is not None:
+        monkeypatch.setattr(ParameterStore, "small_grad", lambda *a: None)
+    config = ServerConfig(optimizer="sgd", lr=0.5, mode="sync", workers=2, heartbeat_timeout=60)
+    gen = torch.Generator().manual_seed(8)
+    with start_server(config, in_thread=True) as server:
+        clients = [RemoteParameterServer(server.address, worker_id=w, timeout=30) for w in (0, 1)]
+        try:
+            clients[0].init("k", torch.zeros(4))
+            for _ in range(3):
+                futures = [c.push("k", torch.randn(4, generator=gen)) for c in clients]
+                for f in futures:
+                    f.result()
+            out = torch.empty(4)
+            clients[0].pull("k", out).result()
+        finally:
+            for c in clients:
+                c.close()
+    if monkeypatch is not None:
+        monkeypatch.undo()
+    return out.view(torch.int32).tolist()
+
+
+def test_sync_rounds_keep_each_worker_s_small_gradient(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A round keeps every worker's gradient until it ends, in a sum of its own: a
+    # round that kept the store's tensor, refilled by the next push, would differ.
+    assert _sync_rounds(None) == _sync_rounds(monkeypatch)

@@ -117,7 +117,7 @@ class Channel(Exchange):
         """Queue ``req`` (its ids, sequence number and deadline are set here) and send
         it from this thread if the sockets are free."""
         payload = req.payload
-        if payload is not None:
+        if payload is not None and req.wire is None:  # (with a wire form: checked by its maker)
             if not payload.is_cpu:
                 payload, req.owned = payload.cpu(), True
             if not payload.is_contiguous():

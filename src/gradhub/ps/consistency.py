@@ -135,6 +135,8 @@ class Consistency:
         if rnd in rounds:
             rounds[rnd].total += grad
         else:
+            # A copy: ``grad`` may be the store's small-push tensor, refilled by the
+            # next push (ParameterStore.small_grad).
             rounds[rnd] = _Round(grad.clone())
         rounds[rnd].contributors.add(worker)
         return self.complete_rounds(key)

@@ -176,6 +176,7 @@ class Exchange(Deadlines):
                 s.incarnation,
                 self._aux,
                 self._secret,
+                req.wire,
             )
             if frame is not None:
                 s.drained = False  # a send may take the descriptor's signal of a message waiting

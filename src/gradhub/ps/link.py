@@ -21,11 +21,12 @@ from gradhub.errors import AuthenticationError, ClosedError, GradhubError
 from gradhub.ps.arena.client import ClientArena, Slot
 from gradhub.ps.lanes import PriorityLanes
 from gradhub.ps.protocol import MUTATING, Message, Op
+from gradhub.ps.protocol.small import Wire
 
 __all__ = ["MUTATING", "Link", "Request", "closed_error", "dealer", "refused_error"]
 
 
-@dataclass
+@dataclass(slots=True)
 class Request:
     """One request of the client; ``key`` is the key on the wire (a slice key for slices)."""
 
@@ -36,6 +37,7 @@ class Request:
     priority: int = 0
     payload: torch.Tensor | None = None
     owned: bool = False  # payload is our own copy (may be kept for replay as is)
+    wire: Wire | None = None  # the payload as sent, where its sender has it (small.wire_of)
     codec: str = "none"
     meta: bytes = b""
     on_reply: Callable[[Message], None] | None = None
@@ -86,7 +88,7 @@ class Link:
         self.prune(durable)
         if req.seq > durable:
             if not req.owned and req.payload is not None:
-                req.payload, req.owned = req.payload.clone(), True
+                req.payload, req.owned, req.wire = req.payload.clone(), True, None
             req.future, req.on_reply, req.deadline = None, None, float("inf")
             self.retained[req.seq] = req
 

@@ -54,7 +54,8 @@ from gradhub.ps.payloads import filler, meta_json
 from gradhub.ps.pending import all_of
 from gradhub.ps.placement import DEFAULT_SLICE_BYTES, Piece, layout, server_index, split
 from gradhub.ps.protocol import Message, Op
-from gradhub.trees import all_finite
+from gradhub.ps.protocol.small import wire_of
+from gradhub.trees import all_finite, finite_array
 
 __all__ = ["DEFAULT_SLICE_BYTES", "ClientConfig", "RemoteParameterServer", "check_address"]
 
@@ -196,27 +197,26 @@ class RemoteParameterServer(ParameterServer):
         )
 
     def _push_one(self, key: str, grad: torch.Tensor, priority: int) -> Future[None] | None:
-        """:meth:`push` of one tensor, uncompressed, small enough for one server and
-        no arena, and nothing else (the common small push), as the general path
-        would send it, without its steps for replicas, slices, codecs and arenas;
-        ``None`` for any other push (nothing done then)."""
-        total = grad.detach()
-        nbytes = total.numel() * total.element_size()
-        floating = total.is_floating_point()
+        """:meth:`push` of one small uncompressed tensor to one server, no arena, as the
+        general path sends it; ``None`` (nothing done) for any other. One numpy view
+        (:func:`~.protocol.small.wire_of`) answers what that path asks torch one by one."""
+        known = wire_of(grad) if type(key) is str else None
+        if known is None:
+            return None
+        wire, array = known
+        nbytes, floating = array.nbytes, array.dtype.kind == "f"
         if (
-            type(key) is not str
-            or nbytes > self.slice_bytes
+            nbytes > self.slice_bytes
             or nbytes >= self._channel.arena_min_bytes
             or (floating and self.codec.name != "none")
-            or self._shared.find(total) is not None  # empty_like's rules: the general path
+            or self._shared.find(grad) is not None  # empty_like's rules: the general path
         ):
             return None
-        if floating and not all_finite(total):
+        if floating and not finite_array(array):
             return self._refuse(key)
-        server = server_index(key, len(self.addresses))
-        return self._channel.submit(
-            Request(Op.PUSH, server, key=key, user_key=key, priority=int(priority), payload=total)
-        )
+        req = Request(Op.PUSH, server_index(key, len(self.addresses)), key=key, user_key=key)
+        req.priority, req.payload, req.wire, req.nbytes = int(priority), grad, wire, nbytes
+        return self._channel.submit(req)
 
     def _stage_finite(self, requests: list[Request]) -> bool:
         """Whether the payloads of ``requests`` hold no NaN or infinity. A payload that

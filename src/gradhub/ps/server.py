@@ -132,9 +132,10 @@ class Server(Service):
             while not self._stop.is_set():
                 events = dict(poller.poll(_POLL_MS))
                 if events:
-                    if self._arenas is not None:
+                    readable = self._sock in events
+                    if self._arenas is not None and len(events) > readable:  # an arena's too
                         self._arenas.ready(events)
-                    self._drain(ask=self._sock not in events)
+                    self._drain(ask=not readable)
                     self._run_queue()
                     self._commit()
                 self._expire_waits()

@@ -37,7 +37,9 @@ from __future__ import annotations
 
 import copy
 import inspect
+import math
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -113,6 +115,28 @@ def _plain_sgd(optimizer: torch.optim.Optimizer, value: torch.Tensor) -> bool:
     )
 
 
+_FORMATS = {torch.float32: "f", torch.float64: "d"}  # memoryview's, for small_grad
+_SMALL_GRAD = 64  # elements, at most (read one by one in Python)
+
+
+@dataclass(slots=True)
+class _Scratch:
+    """The tensor :meth:`ParameterStore.small_grad` fills for one key."""
+
+    value: torch.Tensor  # the stored value it was made for
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    tensor: torch.Tensor
+    raw: memoryview  # the tensor's bytes, written in place
+    items: memoryview  # its elements, read to check them
+
+
+def _keeps_no_grad(optimizer: torch.optim.Optimizer | None) -> bool:
+    """Whether an update by ``optimizer`` leaves no reference to the gradient it was
+    given: none (a copy), or one of torch's own optimizers."""
+    return optimizer is None or type(optimizer).__module__.startswith("torch.optim")
+
+
 def _hyper_value(value: Any) -> Any:
     return from_wire(value)  # JSON lists, at any depth, to tuples: Adam's betas
 
@@ -132,6 +156,7 @@ class ParameterStore:
         self._optimizers: dict[str, torch.optim.Optimizer] = {}
         self._specs: dict[str, OptimizerSpec | None] = {}  # from init, for checkpoints
         self._steps: dict[str, int] = {}
+        self._scratch: dict[str, _Scratch] = {}
 
     def __contains__(self, key: object) -> bool:
         return key in self._values
@@ -166,6 +191,49 @@ class ParameterStore:
     def check(self, key: str, tensor: torch.Tensor) -> None:
         """Raise if ``key`` is unknown or ``tensor`` differs from it in shape or dtype."""
         check_like(key, self.value(key), tensor)
+
+    def small_grad(
+        self, key: str, dtype: torch.dtype | None, shape: tuple[int, ...], data: Any
+    ) -> torch.Tensor | None:
+        """``data``, the bytes of a small gradient of ``key`` (of ``dtype`` and
+        ``shape``), in a tensor this store keeps for ``key`` and fills in place:
+        no tensor made per push, for the next :meth:`apply` alone (it is
+        overwritten by the next call). ``None``, nothing done, where the general
+        path must decide: an unknown key, a dtype or shape unlike the value's,
+        other than float32 and float64, more than 64 elements, an element NaN or
+        infinite, or an optimizer not torch's own (it might keep the gradient)."""
+        value = self._values.get(key)
+        s = self._scratch.get(key)
+        if s is None or s.value is not value:
+            self._scratch.pop(key, None)
+            if value is None:
+                return None
+            s = self._scratch_for(key, value)
+            if s is None:
+                return None
+            self._scratch[key] = s
+        if dtype is not s.dtype or shape != s.shape:
+            return None
+        try:
+            s.raw[:] = data
+        except (TypeError, ValueError):  # not a flat byte buffer of the value's size
+            return None
+        if not all(map(math.isfinite, s.items)):
+            return None
+        return s.tensor
+
+    def _scratch_for(self, key: str, value: torch.Tensor) -> _Scratch | None:
+        fmt = _FORMATS.get(value.dtype)
+        if (
+            fmt is None
+            or value.numel() > _SMALL_GRAD
+            or not _keeps_no_grad(self._optimizers.get(key))
+        ):
+            return None
+        tensor = torch.empty_like(value, memory_format=torch.contiguous_format)
+        raw = memoryview(tensor.numpy()).cast("B")  # type: ignore[arg-type]
+        items = raw.cast(fmt)  # type: ignore[call-overload]
+        return _Scratch(value, value.dtype, tuple(value.shape), tensor, raw, items)
 
     def init(
         self, key: str, value: torch.Tensor, *, optimizer: OptimizerSpec | None = None

@@ -43,12 +43,18 @@ from gradhub.ps.protocol.message import (
     tensor_frame,
 )
 
-__all__ = ["pack", "pack_request", "read_ack", "read_request"]
+__all__ = ["Wire", "pack", "pack_request", "read_ack", "read_request", "wire_of"]
 
 _ZEROS = (0,) * MAX_NDIM
 _OP_OF, _STATUS_OF = _OPS, _STATUSES  # codes -> Op, Status
 _DTYPE_CODES = {d: c for c, d in DTYPES.items()}
 _NO_SHAPE: tuple[int, ...] = ()
+_NUMPY_CODES = {
+    torch.empty(0, dtype=d).numpy().dtype.char: _DTYPE_CODES[d]
+    for d in NUMPY_DTYPES
+    if d in _DTYPE_CODES
+}
+"""numpy's type character of each dtype the wire and numpy both have -> its wire code."""
 _ACK_VIEW = struct.Struct(f"<3sBHH4sH8xQ16xQQ{8 + 8 * MAX_NDIM}s")
 """The header as an acknowledgement is read (see ``_HEADER``): magic and version,
 op, flags, status, (dtype, codec, ndim, padding), key length, (worker id,
@@ -131,17 +137,20 @@ def pack_request(
     incarnation: int,
     aux: int,
     secret: bytes | None,
+    wire: Wire | None = None,
 ) -> bytes | None:
     """:func:`pack` of a request whose ``payload`` (CPU, contiguous; at most
     ``PACK_MAX`` bytes) is sent as it is (codec ``none``), or ``None`` where
     :func:`~.framing.encode`'s checks must speak (a key or shape past the limits,
-    a dtype the wire lacks)."""
+    a dtype the wire lacks). ``wire``: the payload's :func:`wire_of`, if known."""
     key_bytes = key.encode("utf-8")
     if len(key_bytes) > MAX_KEY_BYTES:
         return None
     data: Any = b""
     dcode, shape = 0, _NO_SHAPE
-    if payload is not None:
+    if wire is not None:
+        dcode, shape, data = wire
+    elif payload is not None:
         dcode = _DTYPE_CODES.get(payload.dtype, 0)
         shape = tuple(payload.shape)
         if not dcode or len(shape) > MAX_NDIM:
@@ -154,6 +163,28 @@ def pack_request(
         op, 0, 0, key_bytes, worker_id, priority, request_id, session, seq, incarnation, aux,
         secret, data, dcode, shape, meta,
     )  # fmt: skip
+
+
+Wire = tuple[int, tuple[int, ...], memoryview]
+"""A payload as :func:`pack_request` sends it: wire dtype code, shape, its bytes."""
+
+
+def wire_of(t: torch.Tensor) -> tuple[Wire, Any] | None:
+    """``(wire form, numpy view)`` of a plain tensor whose bytes can be sent as they
+    lie (on the CPU, contiguous, not empty, of a dtype numpy and the wire both
+    have, no autograd, no negative or conjugate view): one call into torch for
+    all of these. ``None`` otherwise (then :func:`pack_request` decides)."""
+    if type(t) is not torch.Tensor or t.requires_grad:
+        return None
+    try:
+        array = t.numpy()  # refuses other devices, and negative and conjugate views
+    except (TypeError, RuntimeError):
+        return None
+    shape = array.shape
+    dcode = _NUMPY_CODES.get(array.dtype.char, 0)
+    if not dcode or not array.size or len(shape) > MAX_NDIM or not array.flags.c_contiguous:
+        return None
+    return (dcode, shape, memoryview(array).cast("B")), array  # type: ignore[arg-type]
 
 
 def _special(t: torch.Tensor) -> bool:
