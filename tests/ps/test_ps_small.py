@@ -274,6 +274,26 @@ def test_store_small_grad_gives_apply_the_same_bits_in_one_tensor_per_key() -> N
     assert own.small_grad("k", torch.float32, (3,), bytes(12)) is None
 
 
+def test_a_push_is_answered_before_its_update_only_where_that_cannot_fail() -> None:
+    # plain_update says when the server may answer a small push first (Service._push).
+    stores = {
+        "sgd": ParameterStore(OptimizerSpec.of("sgd", lr=0.1)),
+        "none": ParameterStore(None),
+        "momentum": ParameterStore(OptimizerSpec.of("sgd", lr=0.1, momentum=0.9)),
+        "adam": ParameterStore(OptimizerSpec.of("adam", lr=0.1)),
+    }
+    for store in stores.values():
+        store.init("k", torch.zeros(2))
+    assert {name: s.plain_update("k") for name, s in stores.items()} == {
+        "sgd": True,
+        "none": True,
+        "momentum": False,
+        "adam": False,
+    }
+    stores["sgd"].set_hyperparameters("k", {"momentum": 0.5})  # a worker's schedule
+    assert not stores["sgd"].plain_update("k")
+
+
 def test_a_small_push_holding_nan_is_refused_by_the_server_and_changes_nothing() -> None:
     config = ServerConfig(optimizer="sgd", lr=1.0)
     with start_server(config, in_thread=True) as server:

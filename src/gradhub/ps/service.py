@@ -275,6 +275,7 @@ class Service:
         grad = None
         if h.codec == "none":
             grad = self.store.small_grad(msg.key, h.dtype, h.shape, msg.payload)
+        small = grad is not None
         if grad is None:
             value = self.store.value(msg.key)
             grad = msg.tensor()
@@ -288,10 +289,23 @@ class Service:
         if hyper:
             self.store.set_hyperparameters(msg.key, hyper)
         skip = bool(meta.get("skip"))
+        # Answered before its update where nothing after this point can fail: a small
+        # gradient, checked, an update that is one add_ or copy_, no log to sync
+        # first. The update runs while the answer travels, before any later request.
+        early = small and not self.persist.durable and self.store.plain_update(msg.key)
+        if early:
+            self._accepted(msg, skip)
         self.consistency.seen(h.worker_id, pushing=True)  # valid: a member from now on
         for total in self.consistency.push(h.worker_id, msg.key, grad, skip=skip):
             self._apply(msg.key, total)
         self.persist.log(msg)
+        if not early:
+            self._accepted(msg, skip)
+        self._wake(msg.key)
+
+    def _accepted(self, msg: Message, skip: bool) -> None:
+        """Mark a push applied, count it and answer it."""
+        h = msg.header
         self.ledger.mark(h.worker_id, h.session, h.seq)
         self._dirty = True
         if skip:
@@ -300,7 +314,6 @@ class Service:
             self.counters["push_applied"] += 1
             self.pushes_by_worker[h.worker_id] = self.pushes_by_worker.get(h.worker_id, 0) + 1
         self._reply(msg, aux=self._durable_low(h.worker_id, h.session))
-        self._wake(msg.key)
 
     def _state(self, msg: Message) -> None:
         """Answer with the key's optimizer state (after the pushes queued before it)."""

@@ -222,6 +222,13 @@ class ParameterStore:
             return None
         return s.tensor
 
+    def plain_update(self, key: str) -> bool:
+        """Whether :meth:`apply` of ``key`` is one ``add_`` (plain SGD) or ``copy_``
+        (no optimizer): it cannot fail for a gradient :meth:`small_grad` gave."""
+        value = self._values[key]
+        optimizer = self._optimizers.get(key)
+        return not value.requires_grad and (optimizer is None or _plain_sgd(optimizer, value))
+
     def _scratch_for(self, key: str, value: torch.Tensor) -> _Scratch | None:
         fmt = _FORMATS.get(value.dtype)
         if (
