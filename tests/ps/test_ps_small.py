@@ -290,8 +290,13 @@ def test_a_push_is_answered_before_its_update_only_where_that_cannot_fail() -> N
         "momentum": False,
         "adam": False,
     }
+    restored = ParameterStore(OptimizerSpec.of("sgd", lr=0.1))
+    restored.init("k", torch.zeros(2))
+    assert restored.plain_update("k")
     stores["sgd"].set_hyperparameters("k", {"momentum": 0.5})  # a worker's schedule
     assert not stores["sgd"].plain_update("k")
+    restored.load_state_dict(stores["sgd"].state_dict())  # a checkpoint's settings
+    assert not restored.plain_update("k")
 
 
 def test_a_small_push_holding_nan_is_refused_by_the_server_and_changes_nothing() -> None:

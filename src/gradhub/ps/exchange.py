@@ -156,7 +156,7 @@ class Exchange(Deadlines):
     def _send(self, s: Link, req: Request) -> None:
         req.sends += 1
         payload, meta, locator = req.payload, req.meta, None
-        if s.arena is not None:
+        if s.arena is not None and req.wire is None:  # (a wire form: below the arena's size)
             try:
                 payload, meta, locator = s.arena.carry(req)
             except OSError as exc:

@@ -80,6 +80,8 @@ class Link:
 
     def prune(self, durable: int) -> None:
         """Forget the retained requests the server has on disk (``seq <= durable``)."""
+        if not self.retained:
+            return
         for seq in [q for q in self.retained if q <= durable]:
             del self.retained[seq]
 

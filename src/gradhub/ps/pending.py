@@ -103,9 +103,12 @@ class Pending(Future[None]):
         """Drive until done or ``timeout``; the time left of ``timeout``."""
         if self.finished or self.done():
             return timeout
+        if timeout is None:
+            self._channel.wait(self, None)
+            return None
         start = time.monotonic()
         self._channel.wait(self, timeout)
-        return None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
+        return max(0.0, timeout - (time.monotonic() - start))
 
 
 def all_of(channel: Driver, futures: list[Future[None]]) -> Future[None]:

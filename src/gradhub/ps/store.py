@@ -157,6 +157,7 @@ class ParameterStore:
         self._specs: dict[str, OptimizerSpec | None] = {}  # from init, for checkpoints
         self._steps: dict[str, int] = {}
         self._scratch: dict[str, _Scratch] = {}
+        self._plain: dict[str, bool] = {}  # plain_update's answers, until a setting changes
 
     def __contains__(self, key: object) -> bool:
         return key in self._values
@@ -224,10 +225,15 @@ class ParameterStore:
 
     def plain_update(self, key: str) -> bool:
         """Whether :meth:`apply` of ``key`` is one ``add_`` (plain SGD) or ``copy_``
-        (no optimizer): it cannot fail for a gradient :meth:`small_grad` gave."""
-        value = self._values[key]
-        optimizer = self._optimizers.get(key)
-        return not value.requires_grad and (optimizer is None or _plain_sgd(optimizer, value))
+        (no optimizer): it cannot fail for a gradient :meth:`small_grad` gave. Kept
+        per key until this store changes its optimizer's settings (the optimizers
+        never leave the store)."""
+        plain = self._plain.get(key)
+        if plain is None:
+            value, optimizer = self._values[key], self._optimizers.get(key)
+            plain = not value.requires_grad and (optimizer is None or _plain_sgd(optimizer, value))
+            self._plain[key] = plain
+        return plain
 
     def _scratch_for(self, key: str, value: torch.Tensor) -> _Scratch | None:
         fmt = _FORMATS.get(value.dtype)
@@ -296,6 +302,7 @@ class ParameterStore:
 
     def set_hyperparameters(self, key: str, hyperparameters: Mapping[str, Any]) -> None:
         """Set hyperparameters (``lr``, ...) on ``key``'s param group; all checked first."""
+        self._plain.pop(key, None)
         optimizer = self.optimizer(key)
         if optimizer is None:
             raise ValueError(
@@ -320,11 +327,7 @@ class ParameterStore:
         if hyperparameters:
             self.set_hyperparameters(key, hyperparameters)
         optimizer = self._optimizers.get(key)
-        if (
-            optimizer is not None
-            and not (value.requires_grad or grad.requires_grad)
-            and _plain_sgd(optimizer, value)
-        ):
+        if optimizer is not None and not grad.requires_grad and self.plain_update(key):
             # No autograd involved (neither requires grad), so no no_grad() needed.
             lr = optimizer.param_groups[0]["lr"]
             value.add_(grad if grad.dtype == value.dtype else grad.to(value.dtype), alpha=-lr)
@@ -363,6 +366,7 @@ class ParameterStore:
 
     def set_optimizer_state(self, key: str, state: Mapping[str, Any]) -> None:
         """Replace the state of ``key``'s optimizer by a copy of ``state``."""
+        self._plain.pop(key, None)
         optimizer = self._optimizer_of(key)
         value = self._values[key]
         for name, v in state.items():
@@ -401,6 +405,7 @@ class ParameterStore:
         Keys not yet present are initialised; present keys must match in shape
         and dtype. Everything is checked before anything changes.
         """
+        self._plain.clear()  # optimizers' settings come from the checkpoint
         values: dict[str, torch.Tensor] = state["values"]
         optimizers: dict[str, Any] = state.get("optimizers", {})
         for key, v in values.items():
