@@ -7,8 +7,10 @@ small gradient is written into a tensor the store keeps per key
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -192,40 +194,46 @@ def test_small_and_general_paths_leave_the_same_server_state(
     assert lean[1] == {"push_applied": 40, "push_duplicate": 0, "errors": 0, "init": 2}
 
 
+@contextlib.contextmanager
+def _raw_dealer(address: str) -> Iterator[zmq.Socket[bytes]]:
+    """A bare DEALER to a server, for frames sent by hand; closed on exit."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.rcvtimeo = 10_000
+    sock.connect(address)
+    try:
+        yield sock
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
 def test_a_retried_small_push_is_applied_once_and_answered_alike() -> None:
     secret = b"r" * 8
     config = ServerConfig(optimizer="sgd", lr=1.0, secret="r" * 8)
-    with start_server(config, in_thread=True) as server:
-        ctx = zmq.Context()
-        sock = ctx.socket(zmq.DEALER)
-        sock.linger = 0
-        sock.rcvtimeo = 10_000
-        sock.connect(server.address)
-        try:
-            hello = Header(op=Op.HELLO, request_id=1, worker_id=4, session=77)
-            sock.send_multipart(protocol.encode(hello, "", None, secret=secret))
-            incarnation = protocol.decode(sock.recv_multipart(), secret=secret).header.incarnation
-            init = Header(
-                op=Op.INIT, request_id=2, worker_id=4, session=77, seq=1, incarnation=incarnation
-            )
-            sock.send_multipart(protocol.encode(init, "k", torch.zeros(1), secret=secret))
-            assert protocol.decode(sock.recv_multipart(), secret=secret).header.status == 0
-            push = small.pack_request(
-                Op.PUSH, "k", torch.ones(1), b"", 0, 4, 3, 77, 2, incarnation, 5000, secret
-            )
-            assert push is not None
-            replies = []
-            for _ in range(2):  # the same request twice: a retry
-                sock.send(push)
-                replies.append(sock.recv())
-            assert replies[0] == replies[1]
-            assert small.read_ack(replies[0], secret) == (Op.PUSH, Status.OK, 3, incarnation, 2)
-            stats = Header(op=Op.STATS, request_id=4, worker_id=4, session=77)
-            sock.send_multipart(protocol.encode(stats, "", None, secret=secret))
-            report = json.loads(protocol.decode(sock.recv_multipart(), secret=secret).text())
-        finally:
-            sock.close(0)
-            ctx.term()
+    with start_server(config, in_thread=True) as server, _raw_dealer(server.address) as sock:
+        hello = Header(op=Op.HELLO, request_id=1, worker_id=4, session=77)
+        sock.send_multipart(protocol.encode(hello, "", None, secret=secret))
+        incarnation = protocol.decode(sock.recv_multipart(), secret=secret).header.incarnation
+        init = Header(
+            op=Op.INIT, request_id=2, worker_id=4, session=77, seq=1, incarnation=incarnation
+        )
+        sock.send_multipart(protocol.encode(init, "k", torch.zeros(1), secret=secret))
+        assert protocol.decode(sock.recv_multipart(), secret=secret).header.status == 0
+        push = small.pack_request(
+            Op.PUSH, "k", torch.ones(1), b"", 0, 4, 3, 77, 2, incarnation, 5000, secret
+        )
+        assert push is not None
+        replies = []
+        for _ in range(2):  # the same request twice: a retry
+            sock.send(push)
+            replies.append(sock.recv())
+        assert replies[0] == replies[1]
+        assert small.read_ack(replies[0], secret) == (Op.PUSH, Status.OK, 3, incarnation, 2)
+        stats = Header(op=Op.STATS, request_id=4, worker_id=4, session=77)
+        sock.send_multipart(protocol.encode(stats, "", None, secret=secret))
+        report = json.loads(protocol.decode(sock.recv_multipart(), secret=secret).text())
     assert report["counters"]["push_applied"] == 1
     assert report["counters"]["push_duplicate"] == 1
 
@@ -301,47 +309,38 @@ def test_a_push_is_answered_before_its_update_only_where_that_cannot_fail() -> N
 
 def test_a_small_push_holding_nan_is_refused_by_the_server_and_changes_nothing() -> None:
     config = ServerConfig(optimizer="sgd", lr=1.0)
-    with start_server(config, in_thread=True) as server:
-        ctx = zmq.Context()
-        sock = ctx.socket(zmq.DEALER)
-        sock.linger = 0
-        sock.rcvtimeo = 10_000
-        sock.connect(server.address)
-        try:
-            sock.send_multipart(
-                protocol.encode(Header(op=Op.HELLO, request_id=1, worker_id=2, session=5), "", None)
+    with start_server(config, in_thread=True) as server, _raw_dealer(server.address) as sock:
+        sock.send_multipart(
+            protocol.encode(Header(op=Op.HELLO, request_id=1, worker_id=2, session=5), "", None)
+        )
+        incarnation = protocol.decode(sock.recv_multipart()).header.incarnation
+        init = Header(
+            op=Op.INIT, request_id=2, worker_id=2, session=5, seq=1, incarnation=incarnation
+        )
+        sock.send_multipart(protocol.encode(init, "k", torch.zeros(2)))
+        assert protocol.decode(sock.recv_multipart()).header.status == Status.OK
+        statuses = []
+        for seq, grad in ((2, [float("nan"), 1.0]), (3, [0.5, 1.0])):
+            push = small.pack_request(
+                Op.PUSH,
+                "k",
+                torch.tensor(grad),
+                b"",
+                0,
+                2,
+                seq + 1,
+                5,
+                seq,
+                incarnation,
+                0,
+                None,
             )
-            incarnation = protocol.decode(sock.recv_multipart()).header.incarnation
-            init = Header(
-                op=Op.INIT, request_id=2, worker_id=2, session=5, seq=1, incarnation=incarnation
-            )
-            sock.send_multipart(protocol.encode(init, "k", torch.zeros(2)))
-            assert protocol.decode(sock.recv_multipart()).header.status == Status.OK
-            statuses = []
-            for seq, grad in ((2, [float("nan"), 1.0]), (3, [0.5, 1.0])):
-                push = small.pack_request(
-                    Op.PUSH,
-                    "k",
-                    torch.tensor(grad),
-                    b"",
-                    0,
-                    2,
-                    seq + 1,
-                    5,
-                    seq,
-                    incarnation,
-                    0,
-                    None,
-                )
-                assert push is not None
-                sock.send(push)
-                statuses.append(protocol.decode([sock.recv()]).header.status)
-            pull = Header(op=Op.PULL, request_id=9, worker_id=2, session=5, incarnation=incarnation)
-            sock.send_multipart(protocol.encode(pull, "k", None))
-            value = protocol.decode(sock.recv_multipart()).tensor()
-        finally:
-            sock.close(0)
-            ctx.term()
+            assert push is not None
+            sock.send(push)
+            statuses.append(protocol.decode([sock.recv()]).header.status)
+        pull = Header(op=Op.PULL, request_id=9, worker_id=2, session=5, incarnation=incarnation)
+        sock.send_multipart(protocol.encode(pull, "k", None))
+        value = protocol.decode(sock.recv_multipart()).tensor()
     assert statuses == [Status.NON_FINITE, Status.OK]
     assert value.tolist() == [-0.5, -1.0]  # the finite push alone, applied once
 
