@@ -91,6 +91,13 @@ def main() -> None:
     rows: dict[str, Any] = {
         name: {k: spread([r[k] for r in rs]) for k in rs[0]} for name, rs in rounds.items()
     }
+    # Each round's gradhub p50 over the echo's p50 measured beside it (same round).
+    ratios = spread(
+        [
+            g["p50_us"] / e["p50_us"]
+            for g, e in zip(rounds["gradhub"], rounds["raw zmq echo"], strict=True)
+        ]
+    )
     lines = [
         f"4-byte pushes, {args.rounds} alternating rounds of {args.pushes}; one-thread copy "
         f"{note['copy_GBps_median']:.1f} GB/s; load average {note['loadavg'][0]:.2f} before, "
@@ -105,7 +112,18 @@ def main() -> None:
             for k in ("client_cpu_us", "server_cpu_us", "p50_us")
         ]
         lines.append(f"| {name} | {' | '.join(cells)} |")
-    report = {"machine": note, "loadavg_after": list(after), "rounds": rounds, "rows": rows}
+    lines += [
+        "",
+        f"gradhub p50 / echo p50, per round: {ratios['median']:.2f}x "
+        f"[{ratios['min']:.2f}, {ratios['max']:.2f}]",
+    ]
+    report = {
+        "machine": note,
+        "loadavg_after": list(after),
+        "rounds": rounds,
+        "rows": rows,
+        "p50_ratio": ratios,
+    }
     text = "\n".join(lines) + "\n"
     write_results(args.out, "ps_message_cost", report, text)
     print(text)
