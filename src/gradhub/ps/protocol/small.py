@@ -148,17 +148,17 @@ def pack_request(
         return None
     data: Any = b""
     dcode, shape = 0, _NO_SHAPE
+    if wire is None and payload is not None:
+        known = wire_of(payload)
+        wire = None if known is None else known[0]
     if wire is not None:
         dcode, shape, data = wire
-    elif payload is not None:
+    elif payload is not None:  # empty, bfloat16, autograd, a negative view: as encode does
         dcode = _DTYPE_CODES.get(payload.dtype, 0)
         shape = tuple(payload.shape)
         if not dcode or len(shape) > MAX_NDIM:
             return None
-        if payload.dtype in NUMPY_DTYPES and payload.numel() and not _special(payload):
-            data = memoryview(payload.numpy()).cast("B")  # type: ignore[arg-type]
-        else:
-            data = tensor_frame(payload)
+        data = tensor_frame(payload)
     return pack(
         op, 0, 0, key_bytes, worker_id, priority, request_id, session, seq, incarnation, aux,
         secret, data, dcode, shape, meta,
@@ -185,11 +185,6 @@ def wire_of(t: torch.Tensor) -> tuple[Wire, Any] | None:
     if not dcode or not array.size or len(shape) > MAX_NDIM or not array.flags.c_contiguous:
         return None
     return (dcode, shape, memoryview(array).cast("B")), array  # type: ignore[arg-type]
-
-
-def _special(t: torch.Tensor) -> bool:
-    """Whether ``t``'s bytes need :func:`~.message.tensor_frame` (autograd, a negative view)."""
-    return t.requires_grad or t.is_neg()
 
 
 def read_ack(frame: bytes, secret: bytes | None) -> tuple[int, int, int, int, int] | None:
