@@ -34,7 +34,9 @@ Tree: TypeAlias = Any
 """A tensor, a NumPy array, or a list/tuple/dict nesting of them."""
 
 ROOT = "<root>"
-_SMALL = 64  # all_finite checks tensors up to this many elements in Python
+PYTHON_CHECKED = 64
+"""Tensors of up to this many elements are checked for NaN and infinity in Python
+(elementwise torch calls cost more than the check for so few)."""
 _CHUNK = 128 << 10  # elements copy_finite copies and checks at a time (<= 1 MiB of fp64)
 _FUSED_MIN_BYTES = 32 << 20  # copy_finite copies and checks in chunks from this size on
 
@@ -51,13 +53,13 @@ def all_finite(t: torch.Tensor) -> bool:
     proves every element finite in one read without a mask (``isfinite().all()``
     is many times slower on CPU). Only a non-finite sum, which finite values can
     also produce by overflowing, needs the exact elementwise check. A tensor of
-    at most ``_SMALL`` elements is checked in Python instead: for a few
+    at most ``PYTHON_CHECKED`` elements is checked in Python instead: for a few
     elements three torch calls cost several times the check itself.
     """
     n = t.numel()
     if n == 1:
         return math.isfinite(t.item())  # a scalar or a one-element push: one call
-    if n <= _SMALL:
+    if n <= PYTHON_CHECKED:
         return all(map(math.isfinite, t.reshape(-1).tolist()))
     if bool(torch.isfinite(t.sum())):
         return True
@@ -69,7 +71,7 @@ def finite_array(a: np.ndarray[Any, Any]) -> bool:
     a few elements read in Python, no call into torch; more by NumPy."""
     if a.size == 1:
         return math.isfinite(a.item())
-    if a.size <= _SMALL:
+    if a.size <= PYTHON_CHECKED:
         return all(map(math.isfinite, a.ravel().tolist()))
     return bool(np.isfinite(a).all())
 

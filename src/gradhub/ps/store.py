@@ -52,6 +52,7 @@ from gradhub.errors import (
 )
 from gradhub.optim import OptimizerFactory, OptimizerSpec, from_wire
 from gradhub.ps.base import check_like
+from gradhub.trees import PYTHON_CHECKED
 
 __all__ = ["OptimizerFactory", "ParameterStore", "describe", "same_optimizer"]
 
@@ -116,7 +117,6 @@ def _plain_sgd(optimizer: torch.optim.Optimizer, value: torch.Tensor) -> bool:
 
 
 _FORMATS = {torch.float32: "f", torch.float64: "d"}  # memoryview's, for small_grad
-_SMALL_GRAD = 64  # elements, at most (read one by one in Python)
 
 
 @dataclass(slots=True)
@@ -239,7 +239,7 @@ class ParameterStore:
         fmt = _FORMATS.get(value.dtype)
         if (
             fmt is None
-            or value.numel() > _SMALL_GRAD
+            or value.numel() > PYTHON_CHECKED
             or not _keeps_no_grad(self._optimizers.get(key))
         ):
             return None
