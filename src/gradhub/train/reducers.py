@@ -13,8 +13,9 @@ Contract:
 - ``bucket`` is a flat, contiguous float32 tensor: the gradients of the
   tensors whose shapes are ``shapes``, back to back, each already multiplied
   by this rank's weight (its share of the batch), so the **sum** over the
-  ranks is the gradient wanted. Elements after the last tensor of ``shapes``
-  (the sample count rides there in bucket 0) must be summed exactly.
+  ranks is the gradient wanted. Elements after the last tensor of ``shapes``,
+  if a caller puts any there, must be summed exactly (the ``allreduce``
+  strategy puts none: its flags and counts travel apart).
 - ``reduce`` replaces ``bucket`` in place by that sum (or an approximation of
   it) and returns when it is there. **Every rank must end with the same
   bits**: replicas stay equal only if they apply the same update.
@@ -143,8 +144,7 @@ class HalfAllReduce(AllReduce):
     With ``collective=``: :func:`gradhub.collective.all_reduce` with the
     ``"bf16"`` codec, or a non-saturating ``"fp16"`` one, summed in fp32 (see
     the module docstring). Else the backend's ``all_reduce`` of a 16-bit copy,
-    summed in 16 bits. The sample count at the end of bucket 0 is an integer
-    below 2**11, exact in both formats. fp16 overflows above 65504: the
+    summed in 16 bits. fp16 overflows above 65504: the
     gradients are already divided by the number of ranks (scaled before the
     reduction), which is the scaling DDP's ``fp16_compress_hook`` relies on too.
     """

@@ -20,7 +20,7 @@ backward, as DDP does:
   is ``n / global_n``: the step equals the single-process step on the global
   batch, exact for uneven batches. With ``set_samples(n)`` alone, the
   gradients are multiplied by ``n`` and the sum divided by the summed count.
-  The count rides at the end of the bucket launched last (no extra collective).
+  The counts are summed with the used flags (below).
 - ``compress=`` picks the bucket reducer (:mod:`gradhub.train.reducers`):
   ``"none"``, ``"fp16"``, ``"bf16"`` (16 bits on the wire, summed in fp32),
   ``"powersgd"``, or one registered there. The built-in ones reduce on the
@@ -34,9 +34,10 @@ Decisions (DDP's documented behaviour where the issue was silent):
   DDP's ``mul_out``), summed. A synchronising backward after another one
   (no step between) combines again what ``.grad`` then holds: the combined
   gradient plus the new local one, as DDP.
-- Used flags: one float per parameter rides at the end of the bucket
-  launched last (with the sample count), so every rank learns which
-  parameters some rank used at no extra collective. A parameter no rank
+- Used flags: one float per parameter, with the sample count, summed in
+  host memory by one small all-reduce after the last bucket
+  (:mod:`.step_flags`): no step reads a flag or count back from a device,
+  so a steady-state step makes no host synchronisation. A parameter no rank
   used keeps its ``.grad`` (``None`` after ``zero_grad``) and the optimizer
   skips it, as DDP ``find_unused_parameters=True``; one used on some ranks
   gets zeros (or its stale ``.grad``) from the others, as DDP.
@@ -85,6 +86,7 @@ from gradhub._config import config_or_options
 from gradhub.errors import MisuseError
 from gradhub.train import reducers
 from gradhub.train.strategies.base import Strategy
+from gradhub.train.strategies.step_flags import StepFlags
 
 
 @dataclass(kw_only=True)
@@ -117,7 +119,8 @@ class _Bucket:
     offsets: list[int]
     buffer: torch.Tensor
     shapes: list[torch.Size]
-    size: int  # elements holding gradients; the tail (used flags, count) follows
+    slots: list[torch.Tensor]  # per parameter: its flat slice of the buffer
+    views: list[torch.Tensor]  # the same, shaped as the parameter (what .grad becomes)
     ready: int = 0
     work: Any = None
     filled: set[int] = field(default_factory=set)
@@ -174,6 +177,8 @@ class AllReduceStrategy(Strategy):
         self._shadowing = False  # a joined rank's zero contribution
         self._divisor = 1
         self._index: dict[int, int] = {}  # id(param) -> position in self.params
+        self._flags: StepFlags | None = None
+        self._flags_work: Any = None
 
     # set-up ------------------------------------------------------------------------
 
@@ -194,6 +199,7 @@ class AllReduceStrategy(Strategy):
             self._thread = concurrent.futures.ThreadPoolExecutor(1, "gradhub-reduce")
         self._build_buckets(self.params)
         self._index = {id(p): k for k, p in enumerate(self.params)}
+        self._flags = StepFlags(len(self.params), self.runtime.group)
 
     def _build_buckets(self, params: list[torch.nn.Parameter]) -> None:
         limit = max(1, int(self.config.bucket_mb * 1024 * 1024 / 4))
@@ -212,10 +218,11 @@ class AllReduceStrategy(Strategy):
                 offsets.append(total)
                 total += p.numel()
                 self._where[id(p)] = (b, i)
-            # The bucket launched last carries a used flag per parameter and the count.
-            tail = len(params) + 1 if b == len(groups) - 1 else 0
-            buffer = torch.zeros(total + tail, dtype=torch.float32, device=device)
-            self._buckets.append(_Bucket(group, offsets, buffer, [p.shape for p in group], total))
+            buffer = torch.zeros(total, dtype=torch.float32, device=device)
+            slots = [buffer[o : o + p.numel()] for o, p in zip(offsets, group, strict=True)]
+            views = [s.view_as(p) for s, p in zip(slots, group, strict=True)]
+            shapes = [p.shape for p in group]
+            self._buckets.append(_Bucket(group, offsets, buffer, shapes, slots, views))
 
     def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
         """DDP's ``register_comm_hook`` (see the module docstring); once, before training."""
@@ -257,8 +264,7 @@ class AllReduceStrategy(Strategy):
         self._launch_ready()
 
     def _fill(self, bucket: _Bucket, i: int, grad: torch.Tensor | None) -> None:
-        p, offset = bucket.params[i], bucket.offsets[i]
-        slot = bucket.buffer[offset : offset + p.numel()]
+        slot = bucket.slots[i]
         if grad is None or self._shadowing:
             slot.zero_()
         elif _aliases(grad, slot):
@@ -285,25 +291,37 @@ class AllReduceStrategy(Strategy):
                 return
             last = index == len(self._buckets) - 1
             if last:  # every hook of this backward has run: the flags are complete
-                self._write_tail(bucket)
+                self._write_flags()
             bucket.work = self._launch(bucket, index, last)
             self._next_launch += 1
+            if last and self._hook is None:  # a comm hook's work sums them after its own
+                self._flags_work = self._launch_flags()
 
-    def _write_tail(self, bucket: _Bucket) -> None:
-        tail = bucket.buffer[bucket.size :]
+    def _write_flags(self) -> None:
+        assert self._flags is not None
         if self._shadowing:
-            tail.zero_()
+            self._flags.write_zeros()
             return
-        used = [1.0 if id(p) in self._used else 0.0 for p in self.params]
         samples = self._samples[0] if self._samples is not None else 1
-        tail.copy_(torch.tensor([*used, float(samples)], dtype=torch.float32))
+        self._flags.write([id(p) in self._used for p in self.params], samples)
+
+    def _launch_flags(self) -> Any:
+        flags = self._flags
+        assert flags is not None
+        if self._thread is None:
+            return flags.launch()
+
+        def reduce_flags() -> None:
+            flags.launch().wait()
+
+        # After the reducer's own collectives, on its thread: the same order on every rank.
+        return _FutureWork(self._thread.submit(reduce_flags))
 
     def _launch(self, bucket: _Bucket, index: int, last: bool) -> Any:
         if self._hook is not None:
-            grads = reducers.GradBucket(
-                index, bucket.buffer[: bucket.size], bucket.params, bucket.offsets, last
-            )
-            return self._hook.launch(grads, bucket.buffer[bucket.size :] if last else None)
+            assert self._flags is not None
+            grads = reducers.GradBucket(index, bucket.buffer, bucket.params, bucket.offsets, last)
+            return self._hook.launch(grads, self._flags.tensor if last else None)
         kw = {"shapes": bucket.shapes, "bucket_index": index, "step": self.steps}
         if self._thread is None:
             return self._reducer.launch(bucket.buffer, **kw)
@@ -320,13 +338,16 @@ class AllReduceStrategy(Strategy):
                         grad = p.grad = grad.clone()
                     self._fill(bucket, i, grad)
         self._launch_ready()
+        timeout = self.runtime.timeout
         for bucket in self._buckets:
-            self._wait(_Patient(bucket.work, self.runtime.timeout), "all_reduce")
+            self._wait(_Patient(bucket.work, timeout), "all_reduce")
+        assert self._flags is not None
+        work, self._flags_work = self._flags_work, None
+        if work is not None:
+            self._wait(_Patient(work, timeout), "all_reduce")
         if self._shadowing:
             return
-        last = self._buckets[-1]
-        used = last.buffer[last.size : last.size + len(self.params)] > 0
-        total = float(last.buffer[-1])
+        used, total = self._flags.read()
         if total <= 0 and self._samples is not None:
             raise ValueError("no rank processed any sample in this step")
         fix = None
@@ -337,21 +358,22 @@ class AllReduceStrategy(Strategy):
             # not match the samples actually processed, correct to the true weights.
             expected = float(self._samples[1])
             fix = expected / total if total != expected else None
+        index = self._index
         for bucket in self._buckets:
             if fix is not None:
-                bucket.buffer[: bucket.size].mul_(fix)
-            for p, offset in zip(bucket.params, bucket.offsets, strict=True):
-                if not used[self._index[id(p)]]:
+                bucket.buffer.mul_(fix)
+            for p, view in zip(bucket.params, bucket.views, strict=True):
+                if not used[index[id(p)]]:
                     continue  # no rank used it: .grad stays as it was (DDP)
-                view = bucket.buffer[offset : offset + p.numel()].view_as(p)
-                p.grad = view if p.dtype == torch.float32 else view.to(p.dtype)
+                if p.dtype != torch.float32:
+                    p.grad = view.to(p.dtype)
+                elif p.grad is not view:
+                    p.grad = view
 
     def _shadow_sync(self) -> None:
         for p in self.params:  # a joined rank's own gradients stay as they are (DDP)
             b, i = self._where[id(p)]
-            bucket = self._buckets[b]
-            offset = bucket.offsets[i]
-            if p.grad is not None and _aliases(p.grad, bucket.buffer[offset : offset + 1]):
+            if p.grad is not None and _aliases(p.grad, self._buckets[b].slots[i]):
                 p.grad = p.grad.clone()
         self._shadowing = True
         try:

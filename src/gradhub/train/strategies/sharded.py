@@ -103,7 +103,7 @@ import torch.distributed as dist
 
 from gradhub import codecs
 from gradhub._config import config_or_options
-from gradhub.collective import AllReduceParameter, ShardedOptimizer, all_gather, all_reduce
+from gradhub.collective import AllReduceParameter, ShardedOptimizer, all_gather
 from gradhub.collective.sharded_optimizer import check_elementwise
 from gradhub.errors import UnsupportedByStrategyError
 from gradhub.optim import OptimizerSpec
@@ -120,6 +120,7 @@ from gradhub.train.strategies.sharded_state import (
     plain_state_dict,
     to_bytes,
 )
+from gradhub.train.strategies.step_flags import StepFlags
 
 _FLOATS = (str(torch.float32), str(torch.bfloat16), str(torch.float16))
 
@@ -167,6 +168,7 @@ class ShardedStrategy(Strategy):
         self._filled: set[int] = set()
         self._next_launch = 0
         self._scale, self._by_count = 1.0, False
+        self._flags: StepFlags | None = None
 
     def setup(self, model: torch.nn.Module, optimizer: Any, runtime: Runtime) -> None:
         """Refuse what ``sharded`` cannot train as DDP would (typed errors naming
@@ -219,6 +221,7 @@ class ShardedStrategy(Strategy):
             self._load_pieces(loaded)
             optimizer.state.clear()
         self._build_buckets()
+        self._flags = StepFlags(len(self.params), self.runtime.group)
         self._start_responder()  # last: a request may come as soon as it runs
 
     def _check_supported(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -334,16 +337,14 @@ class ShardedStrategy(Strategy):
         self._launch_ready()
         group = self.runtime.group
         # Per parameter: ranks that hold a gradient; last: the summed sample count.
-        flags = torch.tensor(
-            [0.0 if p.grad is None else 1.0 for p in self.params]
-            + [float(self._samples[0]) if self._by_count and self._samples else 0.0],
-            device=self._flat.device,
-        )
-        counted = all_reduce(flags, group=group)  # queued behind the reduce-scatters
+        assert self._flags is not None
+        count = self._samples[0] if self._by_count and self._samples else 0
+        self._flags.write([p.grad is not None for p in self.params], count)
+        counted = self._flags.launch()  # queued behind the reduce-scatters
         reduced = self._arp.aggregate_gradient_partition()
-        counted.wait()
+        used, total = self._flags.read(counted.wait)
         if self._by_count:
-            reduced.div_(float(flags[-1]))
+            reduced.div_(total)
         all_gather(
             reduced,
             self._arp.size,
@@ -353,8 +354,8 @@ class ShardedStrategy(Strategy):
         )
         if self._model_grad is not self._grad:
             self._model_grad.copy_(self._grad)  # rounded once, the same on every rank
-        for p, view, used in zip(self.params, self._grad_views, flags.tolist(), strict=False):
-            if used > 0 and (p.grad is None or p.grad.data_ptr() != view.data_ptr()):
+        for p, view, anywhere in zip(self.params, self._grad_views, used, strict=True):
+            if anywhere and p.grad is not view:
                 p.grad = view
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

@@ -31,6 +31,7 @@ from gradhub.train.strategies.ps.servers import (
 )
 from gradhub.train.strategies.ps.state import fetch as fetch_state
 from gradhub.train.strategies.ps.state import load_hyperparameters, local_state, per_key
+from gradhub.train.strategies.step_flags import StepFlags
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,8 @@ class _PSStrategy(Strategy):
         self._generation = 0
         self._spec: OptimizerSpec | None = None
         self._hyper = HyperparameterTracker(None, [])
+        self._flags: StepFlags | None = None
+        self._device = torch.device("cpu")
 
     # set-up -----------------------------------------------------------------------
 
@@ -74,6 +77,8 @@ class _PSStrategy(Strategy):
             if id(p) in trainable
         ]
         self._by_id = {id(k.param): k for k in self._keys}
+        self._flags = StepFlags(len(self._keys), rt.group)
+        self._device = self.params[0].device
         self._hyper = HyperparameterTracker(optimizer, [k.group for k in self._keys])
         # Rank 0's parameters (frozen ones too) and buffers everywhere first.
         self._broadcast_from_rank0(model)
@@ -169,39 +174,35 @@ class _PSStrategy(Strategy):
         weight, by_count = self._weights()
         grads = [key.param.grad for key in self._keys]
         used_here = self._used  # accumulated since the last sync, no_sync steps included
-        flags = [1.0 if id(k.param) in used_here else 0.0 for k in self._keys]
-        flags += [weight] if by_count else []
+        flags = self._flags
+        assert flags is not None
+        flags.write([id(k.param) in used_here for k in self._keys], weight if by_count else 0)
+        counted = flags.launch()  # host memory: nothing read back from a device
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, key in enumerate(self._keys):
             by_dtype.setdefault(key.param.dtype, []).append(i)
-        by_dtype.setdefault(torch.float32, [])
         where = f"step {self.steps} of strategy {self.name!r}: combining the gradients"
         combined: dict[int, torch.Tensor] = {}
-        used: list[bool] = []
-        total = 1.0
         for dtype, members in by_dtype.items():
-            parts = [
-                torch.zeros(self._keys[i].param.numel(), dtype=dtype)
-                if grads[i] is None
-                else grads[i].detach().reshape(-1).to(dtype) * weight  # type: ignore[union-attr]
-                for i in members
-            ]
-            if dtype == torch.float32:
-                parts.append(torch.tensor(flags, dtype=torch.float32))
-            flat = torch.cat(parts)
+            flat = torch.cat(
+                [
+                    torch.zeros(self._keys[i].param.numel(), dtype=dtype, device=self._device)
+                    if grads[i] is None
+                    else grads[i].detach().reshape(-1).to(dtype) * weight  # type: ignore[union-attr]
+                    for i in members
+                ]
+            )
             if dtype == torch.float32:  # the job's transport (shared memory on one host)
                 ring.all_reduce(flat, group=self.runtime.group).wait()
             else:
                 self.runtime.all_reduce_sum(flat, where=where)
-            if dtype == torch.float32:
-                tail = flat[-len(flags) :]
-                used = [bool(f > 0) for f in tail[: len(self._keys)].tolist()]
-                total = float(tail[-1]) if by_count else 1.0
             offset = 0
             for i in members:
                 n = self._keys[i].param.numel()
                 combined[i] = flat[offset : offset + n]
                 offset += n
+        used, summed = flags.read(counted.wait)
+        total = summed if by_count else 1.0
         for i, key in enumerate(self._keys):
             p = key.param
             if not used[i]:  # no worker used it: .grad stays as it was (None after

@@ -1,0 +1,63 @@
+"""What a synchronising backward tells every rank besides the gradients: which
+parameters some rank used, and how many samples the ranks processed.
+
+Both are host data from the start (the set of parameters whose hooks ran,
+the count given to ``set_samples``), so they are summed as host data: one
+small float32 all-reduce on the job's group (shared memory on one host),
+launched after the step's last gradient bucket, at the same point on every
+rank (a joined rank's shadow step included), and read from host memory. A
+step never reads a gradient, flag or count back from a device: no host
+synchronisation, as under DDP. Only a group that carries no host tensors
+(an NCCL-only group, ``gradhub.init(backend="nccl")``) keeps them on its
+device; there reading them costs one synchronisation, and it is read only
+when the step needs it (a parameter some rank did not use, or
+``set_samples``), as DDP with ``find_unused_parameters=True`` reads its
+used map.
+
+Sums are exact: 0/1 flags and sample counts below 2**24.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from gradhub.collective import CollectiveGroup, all_reduce
+
+
+class StepFlags:
+    """Per-parameter used flags and the sample count, summed over the ranks."""
+
+    def __init__(self, count: int, group: CollectiveGroup) -> None:
+        device = group.device
+        self.tensor = torch.zeros(count + 1, dtype=torch.float32, device=device)
+        """The flags of the ``count`` parameters, then the sample count."""
+        self._host = self.tensor.numpy() if device.type == "cpu" else None
+        self._group = group
+        self._count = count
+
+    def write(self, used: Sequence[bool], samples: float) -> None:
+        """This rank's flags and count (host values; nothing is read back)."""
+        values = [*map(float, used), float(samples)]
+        if self._host is not None:
+            self._host[:] = values
+        else:
+            self.tensor.copy_(torch.tensor(values), non_blocking=True)
+
+    def write_zeros(self) -> None:
+        """A joined rank's contribution: nothing used, no sample."""
+        self.tensor.zero_()
+
+    def launch(self) -> Any:
+        """Start summing over the ranks; returns the work to wait for."""
+        return all_reduce(self.tensor, group=self._group)
+
+    def read(self, wait: Callable[[], None] | None = None) -> tuple[np.ndarray, float]:
+        """(used anywhere, per parameter; the summed count) after the sum is done."""
+        if wait is not None:
+            wait()
+        values = self._host if self._host is not None else self.tensor.cpu().numpy()
+        return values[: self._count] > 0, float(values[self._count])
