@@ -53,7 +53,9 @@ def servers() -> Iterator[dict[str, ServerHandle]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("samples", [False, True], ids=["plain loop", "set_samples"])
-@pytest.mark.parametrize("strategy", ["DDP", "allreduce", "sharded", "ps-sync", "ps-async", "ps-ssp"])
+@pytest.mark.parametrize(
+    "strategy", ["DDP", "allreduce", "sharded", "ps-sync", "ps-async", "ps-ssp"]
+)
 def test_a_steady_state_step_reads_nothing_back(
     strategy: str, samples: bool, servers: dict[str, ServerHandle]
 ) -> None:
