@@ -48,6 +48,14 @@ and after. Writes ``training.json`` and ``training.md`` to ``--out`` and prints
 the table.
 On a 2-core machine the two ranks fill both cores.
 
+Second table, a backward that leaves the CPU idle (:mod:`_sleeping`: six
+16 MB blocks whose backward sleeps 10 ms each, one bucket per block, as the
+host waits for a GPU): DDP on gloo, ``prepare`` + allreduce and + sharded,
+beside the same step with no communication and the bucket all-reduces
+alone (gloo's, and gradhub's on the job's group); per round the score
+``step / max(compute, communication)`` (1.0: the communication is hidden).
+``--sleeping-only`` runs this table alone (``training-sleeping.json``/``.md``).
+
     python benchmarks/training.py [--rounds 5] [--steps 4] [--methods "prepare + sharded,..."]
         [--models "MLP 21M"]
 """
@@ -69,9 +77,10 @@ from typing import Any
 import torch
 from torch import nn
 
+import _sleeping
 import gradhub
-from _common import RESULTS, machine_note, rank_zero_result, write_results
-from gradhub.collective import local_group
+from _common import RESULTS, machine_note, rank_zero_result, spread, write_results
+from gradhub.collective import all_reduce, local_group
 from gradhub.train.strategies import make_strategy
 
 WORLD_SIZE = 2
@@ -91,6 +100,12 @@ CONTENDERS = [
     FLOOR,
 ]
 BASELINE = "1 process, 2 threads"
+SLEEPING = {  # contender -> the communication row its score divides by
+    "DDP (gloo)": "communication (gloo)",
+    "prepare + allreduce": "communication (gradhub)",
+    "prepare + sharded": "communication (gradhub)",
+}
+SLEEPING_FLOORS = ["compute (no communication)", "communication (gloo)", "communication (gradhub)"]
 
 
 def make_mlp(widths: list[int]) -> nn.Module:
@@ -165,6 +180,65 @@ def contenders(
     return steps, models, strategies
 
 
+def sleeping_contenders(
+    runtime: gradhub.Runtime, ddp_group: Any
+) -> tuple[dict[str, Callable[[], None]], list[Any]]:
+    base = _sleeping.model()
+    x = _sleeping.batch()
+    fns: dict[str, Callable[[], None]] = {}
+    ddp = nn.parallel.DistributedDataParallel(
+        copy.deepcopy(base), process_group=ddp_group, bucket_cap_mb=_sleeping.BUCKET_MB
+    )
+    fns["DDP (gloo)"] = _sleeping.loop_step(ddp, torch.optim.SGD(ddp.parameters(), lr=0.01), x)
+    strategies = []
+    for name in ("allreduce", "sharded"):
+        net = copy.deepcopy(base)
+        model, opt = gradhub.prepare(
+            net,
+            torch.optim.SGD(net.parameters(), lr=0.01),
+            strategy=name,
+            runtime=runtime,
+            bucket_mb=_sleeping.BUCKET_MB,
+        )
+        strategies.append(model.strategy)
+        fns[f"prepare + {name}"] = _sleeping.loop_step(model, opt, x)
+    local = copy.deepcopy(base)
+    fns["compute (no communication)"] = _sleeping.loop_step(
+        local, torch.optim.SGD(local.parameters(), lr=0.01), x
+    )
+    fns["communication (gloo)"] = _sleeping.buckets_reduced(
+        lambda b: torch.distributed.all_reduce(b, group=ddp_group, async_op=True)
+    )
+    fns["communication (gradhub)"] = _sleeping.buckets_reduced(
+        lambda b: all_reduce(b, group=runtime.group)
+    )
+    return fns, strategies
+
+
+def timed_rounds(
+    fns: dict[str, Callable[[], None]], rounds: int, steps: int
+) -> tuple[dict[str, list[list[float]]], dict[str, list[float]]]:
+    """Every function ``steps`` times per round, the order rotating round by
+    round; (wall seconds per step by round, CPU seconds of this process per step)."""
+    names = list(fns)
+    for name in names:  # warm-up: allocations, gloo pairs
+        fns[name]()
+        fns[name]()
+    times: dict[str, list[list[float]]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            torch.distributed.barrier()
+            per_step = []
+            for _ in range(steps):
+                t0, c0 = time.perf_counter(), time.process_time()
+                fns[name]()
+                per_step.append(time.perf_counter() - t0)
+                cpu[name].append(time.process_time() - c0)
+            times[name].append(per_step)
+    return times, cpu
+
+
 def rank_main(
     rank: int,
     port: int,
@@ -172,6 +246,7 @@ def rank_main(
     steps: int,
     methods: list[str],
     models: list[str],
+    sleeping: bool,
     queue: Any,
 ) -> None:
     torch.set_num_threads(1)
@@ -189,22 +264,7 @@ def rank_main(
             widths = MODELS[label]
             x, y = batch(rank, PER_RANK, widths[0])
             fns, nets, strategies = contenders(widths, x, y, runtimes, ddp_group)
-            for name in methods:  # warm-up: allocations, gloo pairs
-                fns[name]()
-                fns[name]()
-            times: dict[str, list[list[float]]] = {name: [] for name in methods}
-            cpu: dict[str, list[float]] = {name: [] for name in methods}
-            for r in range(rounds):
-                order = methods[r % len(methods) :] + methods[: r % len(methods)]
-                for name in order:
-                    torch.distributed.barrier()
-                    per_step = []
-                    for _ in range(steps):
-                        t0, c0 = time.perf_counter(), time.process_time()
-                        fns[name]()
-                        per_step.append(time.perf_counter() - t0)
-                        cpu[name].append(time.process_time() - c0)
-                    times[name].append(per_step)
+            times, cpu = timed_rounds({name: fns[name] for name in methods}, rounds, steps)
             same_steps = [m for m in methods if "allreduce" in m]  # as many steps as DDP
             diff = _max_diff(nets[PEER], nets[same_steps[0]]) if same_steps else math.nan
             params = sum(p.numel() for p in nets[PEER].parameters())
@@ -214,6 +274,12 @@ def rank_main(
                 "cpu": cpu,
                 "ddp_vs_allreduce_max_diff": diff,
             }
+            for s in strategies:
+                s.close()
+        if sleeping:
+            fns, strategies = sleeping_contenders(runtime, ddp_group)
+            times, _ = timed_rounds(fns, rounds, steps)
+            report["sleeping"] = {"times": times}
             for s in strategies:
                 s.close()
         ring.close()
@@ -266,6 +332,8 @@ def single_process(rounds: int, steps: int, models: list[str]) -> dict[str, list
 def summarise(report: dict[str, Any], single: dict[str, list[list[float]]]) -> list[dict[str, Any]]:
     rows = []
     for label, entry in report.items():
+        if label == "sleeping":
+            continue
         all_times = {**entry["times"], BASELINE: single[label]}
         peer = statistics.median(t for rnd in all_times[PEER] for t in rnd)
         peer_rounds = [statistics.median(rnd) for rnd in all_times[PEER]]
@@ -329,6 +397,39 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def sleeping_rows(times: dict[str, list[list[float]]]) -> list[dict[str, Any]]:
+    """Per contender: median step, and the per-round score against its floors."""
+    medians = {name: [statistics.median(r) for r in rounds] for name, rounds in times.items()}
+    scores = _sleeping.scores(medians, "compute (no communication)", SLEEPING)
+    rows = []
+    for name, per_round in medians.items():
+        row: dict[str, Any] = {"method": name, "step_ms": spread([t * 1e3 for t in per_round])}
+        if name in scores:
+            row["score"] = spread(scores[name])
+            ddp = scores["DDP (gloo)"]
+            row["score_minus_ddp"] = spread([a - b for a, b in zip(scores[name], ddp, strict=True)])
+        rows.append(row)
+    return rows
+
+
+def sleeping_markdown(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| method | step (ms): median [min, max] of rounds | score: step / max(compute, "
+        "communication), median [min, max] | score minus DDP's, same round |",
+        "| --- | --- | --- | --- |",
+    ]
+
+    def cell(v: dict[str, float] | None, fmt: str) -> str:
+        return "-" if v is None else f"{v['median']:{fmt}} [{v['min']:{fmt}}, {v['max']:{fmt}}]"
+
+    for r in rows:
+        lines.append(
+            f"| {r['method']} | {cell(r['step_ms'], '.1f')} | {cell(r.get('score'), '.2f')} "
+            f"| {cell(r.get('score_minus_ddp'), '+.2f')} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -342,10 +443,13 @@ def main() -> None:
     parser.add_argument(
         "--models", default=",".join(MODELS), help=f"comma-separated: {', '.join(MODELS)}"
     )
+    parser.add_argument(
+        "--sleeping-only", action="store_true", help="only the sleeping-backward table"
+    )
     args = parser.parse_args()
     if args.rounds < 5:
         parser.error("--rounds must be at least 5")
-    models = [m for m in args.models.split(",") if m]
+    models = [] if args.sleeping_only else [m for m in args.models.split(",") if m]
     if any(m not in MODELS for m in models):
         parser.error(f"unknown model(s) in {models}; choose from {list(MODELS)}")
     methods = [PEER] + [m for m in args.methods.split(",") if m and m != PEER]
@@ -353,11 +457,12 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown method(s) {unknown}; choose from {CONTENDERS}")
     before = machine_note()
-    report = rank_zero_result(rank_main, WORLD_SIZE, args.rounds, args.steps, methods, models)
+    report = rank_zero_result(rank_main, WORLD_SIZE, args.rounds, args.steps, methods, models, True)
     single = single_process(args.rounds, args.steps, models)
     after = os.getloadavg()
     rows = summarise(report, single)
-    table = markdown(rows)
+    table = markdown(rows) if rows else "(MLP rows not run)"
+    asleep = sleeping_rows(report["sleeping"]["times"])
     meta = {
         "machine": platform.platform(),
         "cpus": torch.get_num_threads(),
@@ -378,7 +483,15 @@ def main() -> None:
         f"before, {after[0]:.2f} after.\n\n{table}\n\n"
         f"max |DDP - gradhub allreduce| parameter difference at the end: {note}\n"
     )
-    write_results(args.out, "training", {"meta": meta, "rows": rows}, text)
+    text += (
+        f"\nA backward that leaves the CPU idle ({_sleeping.BLOCKS} blocks of "
+        f"{_sleeping.NUMEL * 4 >> 20} MB, {_sleeping.SLEEP * 1e3:.0f} ms of sleep each, one "
+        f"bucket per block), {args.rounds} rounds of {args.steps} steps:\n\n"
+        f"{sleeping_markdown(asleep)}\n"
+    )
+    report_out = {"meta": meta, "rows": rows, "sleeping": asleep}
+    name = "training-sleeping" if args.sleeping_only else "training"
+    write_results(args.out, name, report_out, text)
     print(text)
 
 

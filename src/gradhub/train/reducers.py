@@ -93,6 +93,30 @@ class BucketReducer(Protocol):
     ) -> None: ...
 
 
+def on_native_device(bucket: torch.Tensor, collective: CollectiveGroup) -> bool:
+    """Whether ``bucket`` lives on a device whose collectives the process group
+    runs itself (CUDA under NCCL): then the bucket goes to it straight from the
+    backward hook, on the device's streams, as DDP's reducer does."""
+    return bucket.device.type == "cuda" and "nccl" in collective.backend
+
+
+class StreamWork:
+    """A device collective waited as DDP waits for one: ``wait`` makes the
+    current stream wait for it and returns at once (no host synchronisation).
+
+    Its bound is the process group's own timeout: NCCL's watchdog ends a
+    collective that outlives it (and, by default, the process), so a dead or
+    stalled peer never hangs the job.
+    """
+
+    def __init__(self, work: Any) -> None:
+        self._work = work
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self._work.wait()
+        return True
+
+
 class _Widen:
     """Handle of a 16-bit all-reduce: waits, then copies the sum back into fp32."""
 
@@ -128,9 +152,11 @@ class AllReduce:
     def launch(
         self, bucket: torch.Tensor, *, shapes: list[torch.Size], bucket_index: int, step: int
     ) -> Any:
-        if self.collective is not None:
+        if self.collective is not None and not on_native_device(bucket, self.collective):
             return all_reduce(bucket, group=self.collective)
-        return dist.all_reduce(bucket, group=self.group, async_op=True)
+        group = self.collective.process_group if self.collective is not None else self.group
+        work = dist.all_reduce(bucket, group=group, async_op=True)
+        return StreamWork(work) if bucket.device.type != "cpu" else work
 
     def reduce(
         self, bucket: torch.Tensor, *, shapes: list[torch.Size], bucket_index: int, step: int

@@ -83,6 +83,7 @@ from typing import Any
 import torch
 
 from gradhub._config import config_or_options
+from gradhub.collective import CollectiveFuture
 from gradhub.errors import MisuseError
 from gradhub.train import reducers
 from gradhub.train.strategies.base import Strategy
@@ -338,13 +339,12 @@ class AllReduceStrategy(Strategy):
                         grad = p.grad = grad.clone()
                     self._fill(bucket, i, grad)
         self._launch_ready()
-        timeout = self.runtime.timeout
         for bucket in self._buckets:
-            self._wait(_Patient(bucket.work, timeout), "all_reduce")
+            self._await(bucket.work)
         assert self._flags is not None
         work, self._flags_work = self._flags_work, None
         if work is not None:
-            self._wait(_Patient(work, timeout), "all_reduce")
+            self._await(work)
         if self._shadowing:
             return
         used, total = self._flags.read()
@@ -369,6 +369,12 @@ class AllReduceStrategy(Strategy):
                     p.grad = view.to(p.dtype)
                 elif p.grad is not view:
                     p.grad = view
+
+    def _await(self, work: Any) -> None:
+        if isinstance(work, (CollectiveFuture, reducers.StreamWork)):
+            work.wait()  # bounded by its own deadline (see each); its error names the ranks
+        else:  # a c10d Work or a reducer's handle: the runtime's bounded wait
+            self._wait(_Patient(work, self.runtime.timeout), "all_reduce")
 
     def _shadow_sync(self) -> None:
         for p in self.params:  # a joined rank's own gradients stay as they are (DDP)
