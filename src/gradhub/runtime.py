@@ -7,8 +7,8 @@ Every subsystem joins the job through this module:
   ``MASTER_ADDR``, ``MASTER_PORT``, and the elastic agent's
   ``TORCHELASTIC_RESTART_COUNT`` / ``TORCHELASTIC_MAX_RESTARTS``, which tell a
   restarted worker that it is one) and nothing else, sets up the default
-  process group (gloo on CPU, NCCL on GPU) and returns a :class:`Runtime`
-  that strategies and the trainer take their rank, device, store and
+  process group and returns a :class:`Runtime` that strategies and the
+  trainer take their rank, device, store and
   :class:`~gradhub.transports.group.CollectiveGroup` from.
 - :func:`init_process_group_from_env` does the same for code that only needs
   the group; :func:`local_group` sets one up on 127.0.0.1 with a given port,
@@ -16,6 +16,19 @@ Every subsystem joins the job through this module:
 
 Decisions:
 
+- **The backend** (:func:`pick_backend`): on a CUDA machine
+  ``"cpu:gloo,cuda:nccl"``, the group ``init_process_group`` makes by default
+  in recent torch: CUDA tensors go over NCCL, CPU tensors over gloo (and
+  gradhub's shared memory or ring), so CPU collectives keep working beside a
+  GPU job. Without CUDA, gloo. NCCL takes one GPU per rank ("Duplicate GPU
+  detected"), so where this host runs more ranks than it has GPUs
+  (``LOCAL_WORLD_SIZE``), the default is gloo: CUDA tensors then travel
+  through host memory (:mod:`gradhub.collective.staging`). ``backend="gloo"``
+  is gloo alone, ``backend="nccl"`` NCCL alone (CUDA tensors only).
+- **The device** (:attr:`Runtime.device`): where batches go by default, the
+  GPU ``LOCAL_RANK`` picks (modulo the GPUs) where the group carries CUDA
+  tensors on NCCL, else the CPU. Models stay where the script put them
+  (:func:`gradhub.prepare` moves nothing).
 - **One default timeout**, :data:`DEFAULT_TIMEOUT` (300 s, torch's store
   default: collectives on big models after a slow first step need room). A
   process group the user created is adopted with its own timeout
@@ -66,14 +79,33 @@ def free_loopback_port() -> int:
         return int(s.getsockname()[1])
 
 
-def pick_backend(backend: str | None) -> str:
-    """``backend`` checked, or NCCL when CUDA is available and gloo otherwise."""
+BOTH = "cpu:gloo,cuda:nccl"
+"""The default backend on a CUDA machine: CPU tensors on gloo, CUDA tensors on NCCL."""
+
+BACKENDS = ("gloo", "nccl", BOTH)
+
+
+def pick_backend(backend: str | None, local_ranks: int = 1) -> str:
+    """``backend`` checked, or the default (see the module docstring):
+    :data:`BOTH` where CUDA is available and this host's ``local_ranks`` ranks
+    each have a GPU of their own, else gloo."""
     if backend is None:
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise ValueError("backend 'nccl' needs CUDA, which is not available; use 'gloo'")
+        if not torch.cuda.is_available():
+            return "gloo"
+        gpus = torch.cuda.device_count()
+        if local_ranks > gpus:
+            log.info(
+                "%d ranks on this host and %d GPU(s): NCCL takes one GPU per rank, so the "
+                "group is gloo (CUDA tensors travel through host memory)",
+                local_ranks,
+                gpus,
+            )
+            return "gloo"
+        return BOTH
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if "nccl" in backend and not torch.cuda.is_available():
+        raise ValueError(f"backend {backend!r} needs CUDA, which is not available; use 'gloo'")
     return backend
 
 
@@ -137,7 +169,7 @@ def _start(
     local_rank: int,
     transport: str | None = None,
 ) -> CollectiveGroup:
-    if backend == "nccl":
+    if "nccl" in backend:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     try:
         dist.init_process_group(
@@ -168,8 +200,9 @@ def init_process_group_from_env(
     """Set up the default process group from the launcher's environment.
 
     Reads ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (and
-    ``LOCAL_RANK`` to pick the GPU) from ``env`` (default ``os.environ``).
-    ``backend`` defaults to NCCL when CUDA is available, else gloo.
+    ``LOCAL_RANK`` to pick the GPU, ``LOCAL_WORLD_SIZE`` to count this host's
+    ranks) from ``env`` (default ``os.environ``). ``backend``: see
+    :func:`pick_backend` (default ``"cpu:gloo,cuda:nccl"`` with CUDA, else gloo).
     ``timeout`` (seconds, default :data:`DEFAULT_TIMEOUT`) bounds set-up and
     every operation. If the default group already exists it is wrapped (with
     its own timeout unless ``timeout`` is given), so calling this twice is
@@ -185,7 +218,7 @@ def init_process_group_from_env(
         return CollectiveGroup.of(None, timeout=timeout, transport=transport)
     environ = os.environ if env is None else env
     rank, world_size, local_rank = _launch_env(environ)
-    backend = pick_backend(backend)
+    backend = pick_backend(backend, _env_int(environ, "LOCAL_WORLD_SIZE", 1))
     limit = DEFAULT_TIMEOUT if timeout is None else float(timeout)
     td = timedelta(seconds=limit)
     if env is None:
@@ -226,7 +259,7 @@ def local_group(
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
     _check_timeout(timeout)
-    backend = pick_backend(backend)
+    backend = pick_backend(backend, world_size)  # every rank on this host
     limit = DEFAULT_TIMEOUT if timeout is None else float(timeout)
     store = _tcp_store("127.0.0.1", port, world_size, rank, limit)
     return _start(store, rank, world_size, backend, limit, rank, transport)
@@ -256,9 +289,12 @@ class Runtime:
     local_rank: int
     """Rank on this machine; picks the GPU."""
     device: torch.device
-    """Where the model and batches go."""
+    """Where batches go by default: this rank's GPU where the group carries CUDA
+    tensors on NCCL, else the CPU. A model stays where the script put it."""
     backend: str
-    """c10d backend of the default group: ``"gloo"`` or ``"nccl"``."""
+    """c10d backend of the default group, as torch names it: ``"gloo"``,
+    ``"nccl"`` or ``"cpu:gloo,cuda:nccl"`` (the default with CUDA); which device
+    it serves how: ``group.backend_of(device)``."""
     timeout: float
     """Seconds any collective may take before it is an error."""
     store: dist.Store = field(repr=False)
@@ -281,6 +317,16 @@ class Runtime:
         # of ``group`` run on its worker thread: separate counters keep each
         # one's numbering (and ring message tags) in step across ranks.
         self._waits = self.group.sibling()
+
+    def local_device(self, kind: str) -> torch.device:
+        """This rank's device of ``kind`` (a script's ``--device``): for ``"cuda"``
+        the GPU ``LOCAL_RANK`` picks (modulo the GPUs), whatever the backend;
+        for ``"cpu"`` the CPU."""
+        if kind == "cpu":
+            return torch.device("cpu")
+        if kind != "cuda" or not torch.cuda.is_available():
+            raise ValueError(f"device must be 'cpu' or 'cuda' (with CUDA available), got {kind!r}")
+        return torch.device("cuda", self.local_rank % torch.cuda.device_count())
 
     @property
     def is_main(self) -> bool:
@@ -334,7 +380,8 @@ def init(
 ) -> Runtime:
     """Join the job: read torchrun's environment and set up the process group.
 
-    ``backend`` defaults to NCCL when CUDA is available and gloo otherwise.
+    ``backend``: ``"gloo"``, ``"nccl"`` or ``"cpu:gloo,cuda:nccl"``; by default
+    the last where CUDA is available (see the module docstring), else gloo.
     ``timeout`` bounds every collective of the job (seconds; default
     :data:`DEFAULT_TIMEOUT`, or the timeout of a process group the user set
     up already); a rank that stops answering makes the others fail within it
@@ -347,7 +394,8 @@ def init(
     _check_timeout(timeout)
     if transport is not None:
         requested_transport(transport)  # a wrong name fails before anything is set up
-    backend = pick_backend(backend)
+    if backend is not None:
+        pick_backend(backend)  # a wrong name fails before anything is set up
     launched = "RANK" in os.environ or "WORLD_SIZE" in os.environ
     if dist.is_initialized():
         group = CollectiveGroup.of(None, timeout=timeout, transport=transport)
@@ -358,8 +406,8 @@ def init(
     else:
         local_rank = 0
         limit = DEFAULT_TIMEOUT if timeout is None else float(timeout)
-        group = _start(dist.HashStore(), 0, 1, backend, limit, 0, transport)
-    if group.backend == "nccl":
+        group = _start(dist.HashStore(), 0, 1, pick_backend(backend), limit, 0, transport)
+    if group.backend_of(torch.device("cuda")) == "nccl":
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     else:

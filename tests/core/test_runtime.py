@@ -8,10 +8,11 @@ from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import gradhub
-from gradhub.collective import CollectiveGroup
+from gradhub.collective import CollectiveGroup, all_reduce
 from gradhub.errors import (
     GradhubError,
     GradhubTimeoutError,
@@ -19,9 +20,10 @@ from gradhub.errors import (
     StateError,
     WorkerFailedError,
 )
-from gradhub.runtime import DEFAULT_TIMEOUT, free_loopback_port, local_group
+from gradhub.runtime import BOTH, DEFAULT_TIMEOUT, free_loopback_port, local_group, pick_backend
+from gradhub.transports.stores import device_backends
 
-LAUNCH = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+LAUNCH = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 @pytest.fixture(autouse=True)
@@ -106,3 +108,71 @@ def test_a_check_in_to_a_store_whose_host_is_gone_names_the_store() -> None:
             group.begin("next")
     finally:
         group.close()
+
+
+def test_the_default_backend_serves_cpu_and_cuda_where_there_is_cuda(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert pick_backend(None) == pick_backend(None, 2) == BOTH == "cpu:gloo,cuda:nccl"
+    # NCCL takes one GPU per rank: more ranks on this host than GPUs is gloo.
+    assert pick_backend(None, 3) == "gloo"
+    assert [pick_backend(b) for b in ("gloo", "nccl", BOTH)] == ["gloo", "nccl", BOTH]
+    with pytest.raises(ValueError, match="must be one of gloo, nccl, cpu:gloo,cuda:nccl"):
+        pick_backend("mpi")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert pick_backend(None) == "gloo"
+    for wanted in ("nccl", BOTH):
+        with pytest.raises(ValueError, match="needs CUDA"):
+            pick_backend(wanted)
+
+
+def test_which_backend_carries_which_device() -> None:
+    assert device_backends("cpu:gloo,cuda:nccl") == {"cpu": "gloo", "cuda": "nccl"}
+    assert device_backends("nccl") == {"cuda": "nccl"}
+    assert device_backends("gloo") == {"cpu": "gloo"}
+    assert device_backends("gradhub") == {"cpu": "gradhub"}
+
+
+def test_a_group_of_two_backends_keeps_cpu_tensors_on_the_cpu() -> None:
+    # What init_process_group() makes by default on a CUDA machine, with gloo
+    # standing in for NCCL (this machine has no CUDA): torch names it by device.
+    dist.init_process_group("cpu:gloo,cuda:gloo", store=dist.HashStore(), rank=0, world_size=1)
+    with gradhub.init() as runtime:
+        assert runtime.backend == "cpu:gloo,cuda:gloo"
+        assert runtime.group.backends == {"cpu": "gloo", "cuda": "gloo"}
+        # CPU tensors stay on the CPU; the runtime's device is a GPU only under NCCL.
+        assert runtime.group.device == runtime.device == torch.device("cpu")
+        x = torch.arange(4.0)
+        assert torch.equal(all_reduce(x, group=runtime.group).wait(), torch.arange(4.0))
+
+
+def test_a_group_with_nccl_for_cuda_gives_this_ranks_gpu_as_the_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The runtime's decision alone (no GPU here): a group that carries CUDA
+    # tensors on NCCL sends batches to GPU LOCAL_RANK % GPUs by default; its own
+    # tensors (check-ins, flags) stay on the CPU, which gloo carries.
+    dist.init_process_group("cpu:gloo,cuda:gloo", store=dist.HashStore(), rank=0, world_size=1)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    chosen: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    with gradhub.init() as runtime:
+        assert runtime.backend == "cpu:gloo,cuda:nccl"
+        assert runtime.device == torch.device("cuda", 1) and chosen == [runtime.device]
+        assert runtime.group.device == torch.device("cpu")
+        assert runtime.group.backend_of(torch.device("cuda", 1)) == "nccl"
+
+
+def test_a_scripts_device_flag_names_this_ranks_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    with gradhub.init() as runtime:
+        assert runtime.local_device("cpu") == torch.device("cpu")
+        with pytest.raises(ValueError, match="'cpu' or 'cuda'"):
+            runtime.local_device("cuda" if not torch.cuda.is_available() else "tpu")
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+        runtime.local_rank = 3
+        assert runtime.local_device("cuda") == torch.device("cuda", 1)

@@ -24,6 +24,17 @@ layout does not fit it, is a ``ValueError`` too (nothing is silently slower
 than asked). A group without a store (a sub-group torch made) takes the ring.
 A group of one rank takes :mod:`.single` (nothing travels), whatever was asked.
 
+Devices: the choice above is the transport of the group's own device (CPU
+wherever a backend of the group carries CPU tensors). A group whose process
+group carries CUDA tensors on a backend of their own (``"cpu:gloo,cuda:nccl"``,
+what :func:`gradhub.init` makes on a CUDA machine) gives CUDA tensors a second
+transport, :attr:`CollectiveGroup.device_transport`: NCCL's own collectives
+(:mod:`.p2p_ring`'s NCCL path; :mod:`.native` with ``"gloo"`` asked), made
+without a store exchange, as for a group on NCCL alone. CPU tensors of that
+group take shared memory or the ring as on gloo. CUDA tensors of a group that
+carries CPU tensors only (gloo) never reach a transport: the collectives stage
+them through host memory (:mod:`gradhub.collective.staging`).
+
 A new transport: a :class:`~.base.Transport` subclass in a module of its own
 here, its name in :data:`CHOICES`, and its construction in :func:`_decide`.
 
@@ -40,6 +51,7 @@ from __future__ import annotations
 import logging
 import os
 
+import torch
 import torch.distributed as dist
 
 from gradhub._shm.hosts import HostLayout, exchange, host_identity
@@ -68,18 +80,38 @@ def requested(explicit: str | None) -> str:
     return name
 
 
-def select(group: CollectiveGroup, op: Operation) -> Transport:
-    """The group's transport.
+def select(group: CollectiveGroup, op: Operation, device: torch.device | None = None) -> Transport:
+    """The group's transport for tensors on ``device`` (default: the group's device).
 
     Collective the first time it is called on a group (inside an operation
     that every rank runs); cached afterwards, and closed with the group.
     """
+    if device is not None and apart(group, device):
+        found: Transport | None = group.device_transport
+        if found is None:
+            native = requested(group.transport) == "gloo"
+            found = NativeTransport(group) if native else RingTransport(group)
+            group.device_transport = found
+            group.on_close(lambda: _release(group, "device_transport"))
+        return found
     transport: Transport | None = group.transport_choice
     if transport is None:
         transport = _decide(group, op)
         group.transport_choice = transport
-        group.on_close(lambda: _release(group))
+        group.on_close(lambda: _release(group, "transport_choice"))
     return transport
+
+
+def apart(group: CollectiveGroup, device: torch.device) -> bool:
+    """Whether tensors on ``device`` take the group's second transport: another
+    device type than the group's own, carried by another backend (NCCL beside
+    gloo; ``"cpu:gloo,cuda:gloo"`` is gloo's, whose CUDA tensors are staged)."""
+    carrier = group.backend_of(device)
+    return (
+        group.world_size > 1
+        and device.type != group.device.type
+        and carrier not in (None, group.backend_of(group.device))
+    )
 
 
 def chosen(group: CollectiveGroup) -> str | None:
@@ -88,16 +120,18 @@ def chosen(group: CollectiveGroup) -> str | None:
     return None if transport is None else transport.name
 
 
-def checks_in(group: CollectiveGroup) -> bool:
-    """Whether the group's next operation checks in through the store: yes
-    until a transport that tells by itself who entered is chosen."""
-    transport: Transport | None = group.transport_choice
+def checks_in(group: CollectiveGroup, device: torch.device | None = None) -> bool:
+    """Whether the group's next operation (on tensors on ``device``) checks in
+    through the store: yes until a transport that tells by itself who entered
+    is chosen."""
+    apart_ = device is not None and apart(group, device)
+    transport: Transport | None = group.device_transport if apart_ else group.transport_choice
     return transport is None or transport.checks_in
 
 
-def _release(group: CollectiveGroup) -> None:
-    transport: Transport | None = group.transport_choice
-    group.transport_choice = None
+def _release(group: CollectiveGroup, slot: str) -> None:
+    transport: Transport | None = getattr(group, slot)
+    setattr(group, slot, None)
     if transport is not None:
         transport.close()
 
@@ -107,7 +141,7 @@ def _decide(group: CollectiveGroup, op: Operation) -> Transport:
     if group.world_size == 1:
         return SingleRankTransport(group)
     store = group.store
-    if store is None or group.backend != "gloo":
+    if store is None or group.backend_of(group.device) != "gloo":
         if asked == "shm":
             raise ValueError(
                 f"[rank {group.rank}] transport 'shm' needs a gloo group with a c10d store"

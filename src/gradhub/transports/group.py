@@ -70,6 +70,7 @@ from gradhub.errors import (
 from gradhub.transports.operation import CollectiveFuture, Operation
 from gradhub.transports.stores import (
     default_store,
+    device_backends,
     is_timeout,
     process_group_timeout,
     roll_call,
@@ -108,14 +109,22 @@ class CollectiveGroup:
         """Requested transport (:mod:`.choice`); ``None``: ``GRADHUB_TRANSPORT`` or auto."""
         self.transport_choice: Any = None
         """The :class:`~.base.Transport` chosen for this group (set once by :mod:`.choice`)."""
+        self.device_transport: Any = None
+        """The transport of CUDA tensors where a backend of their own carries them
+        (NCCL in a ``"cpu:gloo,cuda:nccl"`` group; set once by :mod:`.choice`)."""
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
         self.backend = str(dist.get_backend(process_group))
+        """torch's name of the backend: ``"gloo"``, ``"nccl"``, ``"cpu:gloo,cuda:nccl"``, ..."""
+        self.backends = device_backends(self.backend)
+        """Device type -> the backend that carries its tensors (:func:`.stores.device_backends`)."""
         self.device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if self.backend == "nccl"
-            else torch.device("cpu")
+            torch.device("cpu")
+            if "cpu" in self.backends
+            else torch.device("cuda", torch.cuda.current_device())
         )
+        """Where the group's own tensors live (check-ins, scratch): CPU wherever a
+        backend carries CPU tensors, else (NCCL alone) the current GPU."""
         self.timeout = float(timeout)
         self.store: dist.Store | None = None
         """This wrapper's own part of the job's c10d store (``None``: no store)."""
@@ -131,7 +140,7 @@ class CollectiveGroup:
         self._worker = Worker(self.rank)
         self._broken: str | None = None
         self._closed = False
-        self._scratch: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        self._scratch: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
         self._on_close: list[Callable[[], None]] = []
         self._check_in(0)
 
@@ -366,18 +375,26 @@ class CollectiveGroup:
         if self._closed:
             raise ClosedError(f"[rank {self.rank}] {name}: the collective group is closed")
 
-    def scratch(self, slot: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A reusable buffer of ``numel`` elements for ``slot`` (grown, never shrunk).
+    def scratch(
+        self, slot: str, numel: int, dtype: torch.dtype, device: torch.device | None = None
+    ) -> torch.Tensor:
+        """A reusable buffer of ``numel`` elements for ``slot`` on ``device``
+        (default: the group's) (grown, never shrunk).
 
         For the bodies of operations, which run one at a time (:mod:`.worker`):
         fresh large buffers every call would cost a page fault per 4 KiB,
         as much as the transfer itself on a CPU. Never hand one to a caller.
         """
-        buf = self._scratch.get((slot, dtype))
+        where = self.device if device is None else device
+        buf = self._scratch.get((slot, dtype, where))
         if buf is None or buf.numel() < numel:
-            buf = torch.empty(numel, dtype=dtype, device=self.device)
-            self._scratch[(slot, dtype)] = buf
+            buf = torch.empty(numel, dtype=dtype, device=where)
+            self._scratch[(slot, dtype, where)] = buf
         return buf[:numel]
+
+    def backend_of(self, device: torch.device) -> str | None:
+        """The backend that carries tensors on ``device`` in this group, or ``None``."""
+        return self.backends.get(device.type)
 
     def all_gather_ints(self, values: list[int], name: str) -> list[list[int]]:
         """Every rank's ``values`` (same length on every rank), by rank."""

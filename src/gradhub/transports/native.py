@@ -47,7 +47,7 @@ class NativeTransport(Transport):
         out: torch.Tensor,
         chunking: Chunking,
     ) -> None:
-        if self.group.backend == "nccl" and isinstance(codec, codecs.NoCompression):
+        if self.group.backend_of(flat.device) == "nccl" and isinstance(codec, codecs.NoCompression):
             native_reduce_scatter(self.group, op, flat, ranges, out)
         else:
             exchange_reduce_scatter(self.group, op, flat, codec, ranges, out)
@@ -97,10 +97,10 @@ def native_reduce_scatter(
     width = _padded(ranges)
     send = x
     if any(n != width for _, n in ranges):
-        send = group.scratch("rs_padded", P * width, torch.float32).zero_()
+        send = group.scratch("rs_padded", P * width, torch.float32, x.device).zero_()
         for c, (s, n) in enumerate(ranges):
             send[c * width : c * width + n].copy_(x[s : s + n])
-    result = group.scratch("rs_result", width, torch.float32)
+    result = group.scratch("rs_result", width, torch.float32, x.device)
     work = _reduce_scatter_native(result, send, group=group.process_group, async_op=True)
     group.wait(op, work, None)
     out.copy_(result[: ranges[r][1]])
@@ -119,7 +119,7 @@ def exchange_reduce_scatter(
     P, r = group.world_size, group.rank
     length = ranges[r][1]
     send = x if isinstance(codec, codecs.NoCompression) else codec.encode(x)
-    inbox = group.scratch("rs_inbox", P * length, codec.wire_dtype)
+    inbox = group.scratch("rs_inbox", P * length, codec.wire_dtype, x.device)
     work = dist.all_to_all_single(
         inbox,
         send,
@@ -146,9 +146,9 @@ def collective_all_gather(
     """All-gather with the backend's own collective (slices padded to equal length)."""
     P = group.world_size
     width = _padded(ranges)
-    mine = group.scratch("ag_mine", width, codec.wire_dtype)
+    mine = group.scratch("ag_mine", width, codec.wire_dtype, out.device)
     mine[: own_wire.numel()].copy_(own_wire)
-    gathered = group.scratch("ag_gathered", P * width, codec.wire_dtype)
+    gathered = group.scratch("ag_gathered", P * width, codec.wire_dtype, out.device)
     work = _all_gather_native(gathered, mine, group=group.process_group, async_op=True)
     group.wait(op, work, None)
     flat = out.view(-1)

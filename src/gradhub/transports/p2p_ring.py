@@ -193,10 +193,11 @@ class RingTransport(Transport):
         chunking: Chunking,
     ) -> None:
         group, plain = self.group, isinstance(codec, codecs.NoCompression)
-        if group.backend == "nccl" and plain:
+        nccl = group.backend_of(flat.device) == "nccl"
+        if nccl and plain:
             native_reduce_scatter(group, op, flat, ranges, out)
             return
-        if group.backend == "nccl" or chunking.small(flat.numel(), codec):
+        if nccl or chunking.small(flat.numel(), codec):
             exchange_reduce_scatter(group, op, flat, codec, ranges, out)
             return
         prescale = codec.wire_dtype == torch.float16
@@ -219,7 +220,7 @@ class RingTransport(Transport):
         chunking: Chunking,
     ) -> None:
         group, size = self.group, out.numel()
-        if group.backend == "nccl" or chunking.small(size, codec):
+        if group.backend_of(out.device) == "nccl" or chunking.small(size, codec):
             collective_all_gather(group, op, own_wire, out, codec, ranges)
             return
         start, length = ranges[group.rank]

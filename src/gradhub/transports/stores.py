@@ -28,6 +28,21 @@ def process_group_timeout(pg: dist.ProcessGroup) -> float:
     return float(dist.distributed_c10d.default_pg_timeout.total_seconds())
 
 
+def device_backends(backend: str) -> dict[str, str]:
+    """Which backend carries the tensors of each device type in a process group
+    of ``backend`` (torch's name for it): ``"cpu:gloo,cuda:nccl"`` (what
+    ``init_process_group`` makes by default on a CUDA machine) gives
+    ``{"cpu": "gloo", "cuda": "nccl"}``, ``"nccl"`` gives ``{"cuda": "nccl"}``,
+    any other single name (``"gloo"``, ``"gradhub"``) ``{"cpu": name}``: gradhub's
+    transports carry CPU memory, so CUDA tensors of such a group are staged
+    through host memory (:mod:`gradhub.collective.staging`)."""
+    name = backend.lower()
+    if ":" in name:
+        pairs = (part.split(":", 1) for part in name.split(",") if part)
+        return {device.strip(): which.strip() for device, which in pairs}
+    return {"cuda": name} if name == "nccl" else {"cpu": name}
+
+
 def default_store() -> dist.Store | None:
     """The default process group's store, when torch exposes it."""
     # torch keeps the default group's store privately; use it when it is there.
