@@ -4,6 +4,8 @@
   on the group's transport (:mod:`gradhub.transports`).
 - :mod:`.allreduce_parameter`: :class:`AllReduceParameter` (BigDL's).
 - :mod:`.sharded_optimizer`: :class:`ShardedOptimizer` (ZeRO-1).
+- :mod:`.staging`: CUDA tensors through pinned host buffers, for a group
+  whose transports carry host memory (gloo).
 
 Re-exported here: :class:`CollectiveGroup` and :class:`CollectiveFuture`
 (:mod:`gradhub.transports.group`) and the set-up functions of :mod:`gradhub.runtime`.

@@ -33,9 +33,10 @@ Decisions (where BigDL's block-manager design does not carry over):
   (the same bits as out of place) and divided by ``avg_numbers`` (as BigDL;
   not by 1: the same bits); meaningful from ``aggregate_gradient_partition``
   until the next gradient is written. Buffers are reused from step to step.
-- Shared memory: where the group's transport has vectors it reads in place
-  (``"shm"``), ``init`` puts the flat buffers there, so the bound cycle's
-  reduce-scatter and all-gather read the other ranks' buffers where they lie.
+- ``device``: where the buffers live (default: the group's device). CUDA
+  buffers of a group that carries host memory only are staged
+  (:mod:`.staging`); CPU ones go where the group's transport reads them in
+  place (``"shm"``), so the bound cycle's collectives read them where they lie.
 - Zero copies (DDP's ``gradient_as_bucket_view``, FSDP's flat parameters;
   :mod:`.flat_views`): :meth:`bind` makes parameters views of
   :attr:`flat_weights` and their grads views of :attr:`flat_gradients`;
@@ -58,6 +59,7 @@ import zlib
 import torch
 
 from gradhub import codecs
+from gradhub.collective import staging
 from gradhub.collective.agreement import check_agreement
 from gradhub.collective.flat_views import bind_views, occupies
 from gradhub.collective.ring import (
@@ -84,8 +86,8 @@ class AllReduceParameter:
     between objects used concurrently on one process group). ``compress``: a
     codec name (:func:`gradhub.codecs.get`) for the wire; arithmetic and
     master weights stay fp32. ``timeout``: seconds per operation (default:
-    the group's). Every rank must create it with the same arguments and call
-    its methods in the same order.
+    the group's). ``device``: see the module docstring. Every rank must create
+    it with the same arguments and call its methods in the same order.
     """
 
     def __init__(
@@ -96,6 +98,7 @@ class AllReduceParameter:
         compress: str | codecs.Codec = "none",
         timeout: float | None = None,
         pipeline_elements: int = DEFAULT_PIPELINE_ELEMENTS,
+        device: torch.device | str | None = None,
     ):
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise ValueError(f"size must be an int >= 0, got {size!r}")
@@ -113,7 +116,7 @@ class AllReduceParameter:
         self.partition_num = self.group.world_size
         self._start, self._length = partition_range(size, self.partition_num, self.partition_id)
         self._pipeline = pipeline_elements
-        device = self.group.device
+        self.device = device = self.group.device if device is None else torch.device(device)
         own = slice(self._start, self._start + self._length)
         # zeros: calloc'd, so the other ranks' slices take no memory until touched
         self._flat_weights = torch.zeros(size, dtype=torch.float32, device=device)
@@ -187,27 +190,21 @@ class AllReduceParameter:
             raise StateError(f"[rank {self.partition_id}] AllReduceParameter.init called twice")
         spec = TreeSpec.of(parameter)
         codec_id = zlib.crc32(self.codec.name.encode())
+        own = self._handed_out or self.device.type != "cpu"  # keeps its own buffers
         rows = self.group.submit(
             "AllReduceParameter.init",
             lambda: self.group.all_gather_ints(
-                [self.size, spec.numel, codec_id, self._handed_out], "AllReduceParameter.init"
+                [self.size, spec.numel, codec_id, own], "AllReduceParameter.init"
             ),
         ).wait()
         check_agreement(rows, self.size, self.codec.name, self.partition_id)
         if not any(row[3] for row in rows):
             self._share_buffers()
-        flat = spec.flatten(parameter).to(self.group.device)
+        flat = spec.flatten(parameter).to(self.device)
         self._weights.copy_(flat[self._start : self._start + self._length])
         self._spec = spec
         self.send_weight_partition()
-        _log.debug(
-            "[rank %d] AllReduceParameter(size=%d, codec=%s) owns [%d, %d)",
-            self.partition_id,
-            self.size,
-            self.codec.name,
-            self._start,
-            self._start + self._length,
-        )
+        _log.debug("[rank %d] %r owns %s", self.partition_id, self, self.local_partition_range)
         return self.partition_id, self._start, self._length
 
     def _share_buffers(self) -> None:
@@ -227,7 +224,7 @@ class AllReduceParameter:
         ``.grad`` a view of :attr:`flat_gradients`, at its place in the flat vector.
 
         ``parameters``: a tree like ``init``'s (e.g. ``list(model.parameters())``),
-        fp32 on the group's device; they keep their values (:func:`.bind_views`)
+        fp32 on :attr:`device`; they keep their values (:func:`.bind_views`)
         except this rank's slice, which holds ``weight_partition``. Then pass
         them (or :attr:`flat_weights`) to ``get_weights`` and their grads (or
         :attr:`flat_gradients`) to ``put_gradients``: nothing is copied.
@@ -262,9 +259,9 @@ class AllReduceParameter:
             and flat_target
             and target.dtype == torch.float32
             and target.is_contiguous()
-            and target.device == self.group.device
+            and target.device == self.device
         )
-        wire, spec = self._published, self._spec
+        wire, spec, stage = self._published, self._spec, staging.begin(self.group, self._published)
 
         def body() -> Tree:
             out = self._flat_weights if in_place else target.view(-1) if direct else None
@@ -277,6 +274,7 @@ class AllReduceParameter:
                 timeout=self.timeout,
                 pipeline=self._pipeline,
                 name="get_weights(all_gather)",
+                stage=stage,
             )
             if not direct:
                 with torch.no_grad():
@@ -304,26 +302,27 @@ class AllReduceParameter:
         # One flat vector, reused: the previous reduce-scatter that read it has
         # finished (aggregate_gradient_partition waited for it). Views of it
         # (bind) are already in place.
-        staging = self._flat_gradients
-        if occupies(self._spec, tree, staging):
+        flat = self._flat_gradients
+        if occupies(self._spec, tree, flat):
             pass
         elif isinstance(tree, torch.Tensor) and tree.numel() == self.size:
-            staging.copy_(tree.detach().reshape(-1))
+            flat.copy_(tree.detach().reshape(-1))
         else:
-            self._spec.flatten(tree, out=staging)  # validates before it writes
+            self._spec.flatten(tree, out=flat)  # validates before it writes
         self._covered = self.size
-        codec = self.gradient_codec
+        codec, stage = self.gradient_codec, staging.begin(self.group, flat)
         self._pending = [
             self.group.submit(
                 "put_gradients",
                 lambda: run_reduce_scatter(
                     self.group,
-                    staging,
+                    flat,
                     codec,
                     out=self._gradients,
                     timeout=self.timeout,
                     pipeline=self._pipeline,
                     name="put_gradients(reduce_scatter)",
+                    stage=stage,
                 ),
             )
         ]
@@ -358,7 +357,7 @@ class AllReduceParameter:
         out = self._gradients[begin : begin + length] if length else self._gradients[:0]
         flat = segment.view(-1)
         self._covered += n
-        codec = self.gradient_codec
+        codec, stage = self.gradient_codec, staging.begin(self.group, flat)
         self._pending.append(
             self.group.submit(
                 "put_gradient_segment",
@@ -371,6 +370,7 @@ class AllReduceParameter:
                     pipeline=self._pipeline,
                     name="put_gradient_segment(reduce_scatter)",
                     ranges=ranges,
+                    stage=stage,
                 ),
             )
         )

@@ -11,6 +11,10 @@ How the bytes travel is the group's transport's business
 backend's own collectives; chosen once per group by
 :mod:`gradhub.transports.choice`); this module only checks the arguments,
 begins the operation and hands it to :class:`~gradhub.transports.base.Transport`.
+CUDA tensors of a group that carries host memory only (gloo) are staged
+through pinned host buffers (:mod:`.staging`); a group that carries CUDA
+tensors on NCCL (alone or in ``"cpu:gloo,cuda:nccl"``) takes NCCL's own
+collectives for them, and its CPU tensors stay on the CPU.
 The summation order and the rounding of lossy codecs are the transport's
 contract (:mod:`gradhub.transports.base`): on the ring, shared memory and one
 rank, the same bits, fixed run to run and on every rank. The functions
@@ -29,6 +33,8 @@ import torch
 import torch.distributed as dist
 
 from gradhub import codecs
+from gradhub.collective import staging
+from gradhub.collective.staging import Staging
 from gradhub.errors import ShapeMismatchError
 from gradhub.partition import partition_ranges
 from gradhub.transports import choice
@@ -72,7 +78,8 @@ def reduce_scatter(
     """
     c = codecs.get(compress)
     with CollectiveGroup.borrow(group) as g:
-        flat = _flat_fp32(tensor, g.device)
+        flat = _flat_fp32(tensor, staging.placement(g, tensor.device))
+        stage = staging.begin(g, flat)
         return g.call(
             "reduce_scatter",
             lambda: run_reduce_scatter(
@@ -83,6 +90,7 @@ def reduce_scatter(
                 timeout=timeout,
                 pipeline=pipeline_elements,
                 small_bytes=small_bytes,
+                stage=stage,
             ),
         )
 
@@ -105,9 +113,10 @@ def all_gather(
     """
     c = codecs.get(compress)
     with CollectiveGroup.borrow(group) as g:
-        flat = _flat_fp32(partition, g.device)
+        flat = _flat_fp32(partition, staging.placement(g, partition.device))
         # fp32 on the wire: the slice is copied into place by the all-gather itself.
         wire = flat if isinstance(c, codecs.NoCompression) else c.encode(flat)
+        stage = staging.begin(g, wire)
         return g.call(
             "all_gather",
             lambda: run_all_gather(
@@ -119,6 +128,7 @@ def all_gather(
                 timeout=timeout,
                 pipeline=pipeline_elements,
                 small_bytes=small_bytes,
+                stage=stage,
             ),
         )
 
@@ -134,8 +144,9 @@ def all_reduce(
 ) -> CollectiveFuture[torch.Tensor]:
     """Sum ``tensor`` over the ranks, in place; returns a future of ``tensor``.
 
-    ``tensor`` must be contiguous fp32 on the group's device, the same number
-    of elements on every rank; do not touch it until ``wait()`` returns. It is
+    ``tensor`` must be contiguous fp32 (on a device the group carries or
+    stages), the same number of elements on every rank; do not touch it until
+    ``wait()`` returns. It is
     a reduce-scatter into this rank's own slice followed by an all-gather over
     the whole tensor (the same bits as :func:`reduce_scatter` +
     :func:`all_gather`, on every rank), on the group's transport; with
@@ -145,10 +156,17 @@ def all_reduce(
 
     def submit(g: CollectiveGroup) -> CollectiveFuture[torch.Tensor]:
         flat = _check_out(tensor, tensor.numel(), g.device).view(-1)
+        stage = staging.begin(g, flat)
         return g.submit(
             "all_reduce",
             lambda: run_all_reduce(
-                g, flat, c, timeout=timeout, pipeline=pipeline_elements, small_bytes=small_bytes
+                g,
+                flat,
+                c,
+                timeout=timeout,
+                pipeline=pipeline_elements,
+                small_bytes=small_bytes,
+                stage=stage,
             ),
         )
 
@@ -172,13 +190,24 @@ def run_all_reduce(
     pipeline: int = DEFAULT_PIPELINE_ELEMENTS,
     small_bytes: int = SMALL_BYTES,
     name: str = "all_reduce",
+    stage: Staging | None = None,
 ) -> torch.Tensor:
-    """The in-place all-reduce of ``flat``; call it on the group's worker thread."""
-    op = group.begin(name, timeout, check_in=choice.checks_in(group))
-    transport = choice.select(group, op)
-    transport.all_reduce(
-        op, flat, codec, Chunking(pipeline_elements=pipeline, small_bytes=small_bytes)
-    )
+    """The in-place all-reduce of ``flat``; call it on the group's worker thread.
+
+    ``stage``: what :func:`.staging.begin` gave for ``flat`` when the operation
+    was called (the bodies here make one on the worker thread's current stream
+    where the caller did not, for a group that stages ``flat``'s device).
+    """
+    op = group.begin(name, timeout, check_in=choice.checks_in(group, flat.device))
+    transport = choice.select(group, op, flat.device)
+    chunking = Chunking(pipeline_elements=pipeline, small_bytes=small_bytes)
+    stage = stage or staging.begin(group, flat)
+    if stage is None:
+        transport.all_reduce(op, flat, codec, chunking)
+    else:
+        host = stage.to_host(flat)
+        transport.all_reduce(op, host, codec, chunking)
+        stage.from_host(host, flat)
     return flat
 
 
@@ -193,21 +222,30 @@ def run_reduce_scatter(
     small_bytes: int = SMALL_BYTES,
     name: str = "reduce_scatter",
     ranges: list[tuple[int, int]] | None = None,
+    stage: Staging | None = None,
 ) -> torch.Tensor:
     """The reduce-scatter itself; call it on the group's worker thread.
 
     Returns ``out`` (or a new fp32 tensor) holding this rank's slice of the sum.
     ``ranges``: each rank's ``(start, length)`` in ``flat``, back to back in rank
     order and covering it (empty ones allowed; every rank gives the same);
-    default: :func:`gradhub.partition.partition_ranges`.
+    default: :func:`gradhub.partition.partition_ranges`. ``stage``: see
+    :func:`run_all_reduce`.
     """
     if ranges is None:
         ranges = partition_ranges(flat.numel(), group.world_size)
     out = _check_out(out, ranges[group.rank][1], flat.device)
-    op = group.begin(name, timeout, check_in=choice.checks_in(group))
-    transport = choice.select(group, op)
+    op = group.begin(name, timeout, check_in=choice.checks_in(group, flat.device))
+    transport = choice.select(group, op, flat.device)
     chunking = Chunking(pipeline_elements=pipeline, small_bytes=small_bytes)
-    transport.reduce_scatter(op, flat, codec, ranges, out.view(-1), chunking)
+    stage = stage or staging.begin(group, flat)
+    if stage is None:
+        transport.reduce_scatter(op, flat, codec, ranges, out.view(-1), chunking)
+    else:
+        host_out = stage.empty_host(out)
+        host = stage.to_host(flat)
+        transport.reduce_scatter(op, host, codec, ranges, host_out.view(-1), chunking)
+        stage.from_host(host_out, out)
     return out
 
 
@@ -222,10 +260,12 @@ def run_all_gather(
     pipeline: int = DEFAULT_PIPELINE_ELEMENTS,
     small_bytes: int = SMALL_BYTES,
     name: str = "all_gather",
+    stage: Staging | None = None,
 ) -> torch.Tensor:
     """The all-gather of this rank's encoded slice; call it on the worker thread.
 
-    Returns ``out`` (or a new fp32 vector of ``size``) holding every decoded slice.
+    Returns ``out`` (or a new fp32 vector of ``size`` on ``own_wire``'s device)
+    holding every decoded slice. ``stage``: see :func:`run_all_reduce`.
     """
     ranges = partition_ranges(size, group.world_size)
     length = ranges[group.rank][1]
@@ -233,11 +273,18 @@ def run_all_gather(
         raise ShapeMismatchError(
             f"<partition of rank {group.rank}>", [length], [own_wire.numel()], "length"
         )
-    out = _check_out(out, size, group.device)
-    op = group.begin(name, timeout, check_in=choice.checks_in(group))
-    transport = choice.select(group, op)
+    out = _check_out(out, size, own_wire.device)
+    op = group.begin(name, timeout, check_in=choice.checks_in(group, own_wire.device))
+    transport = choice.select(group, op, own_wire.device)
     chunking = Chunking(pipeline_elements=pipeline, small_bytes=small_bytes)
-    transport.all_gather(op, own_wire, codec, ranges, out.view(-1), chunking)
+    stage = stage or staging.begin(group, own_wire)
+    if stage is None:
+        transport.all_gather(op, own_wire, codec, ranges, out.view(-1), chunking)
+    else:
+        host_out = stage.empty_host(out)
+        host = stage.to_host(own_wire)
+        transport.all_gather(op, host, codec, ranges, host_out.view(-1), chunking)
+        stage.from_host(host_out, out)
     return out
 
 

@@ -211,8 +211,8 @@ class ShardedStrategy(Strategy):
             p.data = self._flat[offset : offset + p.numel()].view_as(p)
             self._grad_views.append(self._model_grad[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
-        self._arp = AllReduceParameter(
-            size, group=self.runtime.group, compress=self.config.compress
+        self._arp = AllReduceParameter(  # on the model's device (a mixed group's is the CPU)
+            size, group=self.runtime.group, compress=self.config.compress, device=device
         )
         self._arp.init(self._flat)
         sizes = [[p.numel() for p in g] for g in self._groups]
