@@ -186,3 +186,9 @@ class UnsupportedTensorError(GradhubError, ValueError):
     """The ``"gradhub"`` torch.distributed backend was given something it does not
     take (a CUDA tensor, a reduction the tensor's dtype has no meaning for); the
     message says what to use instead."""
+
+
+class DevicePlacementError(GradhubError, ValueError):
+    """A model on a device the job's process group cannot carry (a CPU model on
+    NCCL alone, a CUDA model on a CPU-only backend such as ``"gradhub"``), or on
+    another GPU than this rank's; the message says which group or device to use."""

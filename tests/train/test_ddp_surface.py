@@ -109,7 +109,7 @@ def test_ddp_keywords_are_taken_or_refused_saying_why() -> None:
     split_ddp_options("allreduce", {"device_ids": None, "output_device": None, "dim": 0}, cpu)
     refused = [
         ("ps-sync", {"bucket_cap_mb": 5}, "no gradient buckets"),
-        ("allreduce", {"device_ids": [1]}, "runtime.device"),
+        ("allreduce", {"device_ids": [1]}, "the model is on cpu"),
         ("allreduce", {"process_group": object()}, "default group"),
         ("allreduce", {"mixed_precision": object()}, "autocast"),
         ("allreduce", {"init_sync": False}, "rank 0"),

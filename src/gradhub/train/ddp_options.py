@@ -25,8 +25,8 @@ place, for every strategy:
   (gradhub needs no static-graph knowledge).
 - ``bucket_cap_mb``: ``bucket_mb`` of ``allreduce`` and ``sharded``;
   refused under ``ps-*`` (gradients are pushed per parameter, no buckets).
-- ``device_ids``, ``output_device``: gradhub places the model on
-  ``runtime.device``; ``None`` or that device is accepted, another refused.
+- ``device_ids``, ``output_device``: the model stays on its device (DDP's
+  single-device module); ``None`` or that device is accepted, another refused.
   ``dim``: 0 only (no scatter across devices).
 - ``process_group``: ``None`` or the default group; gradhub runs on the
   runtime's group (``gradhub.init``), so another one is refused.
@@ -122,9 +122,7 @@ def _check_device(name: str, value: Any, device: torch.device) -> None:
     if isinstance(value, int):
         value = torch.device(device.type, value) if device.type != "cpu" else None
     if value is None or torch.device(value) != device:
-        raise _refuse(
-            name, value, f"gradhub places the model on runtime.device ({device}); drop {name}"
-        )
+        raise _refuse(name, value, f"the model is on {device}: drop {name}, or move the model")
 
 
 def split_ddp_options(

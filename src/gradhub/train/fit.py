@@ -96,6 +96,9 @@ class FitRun:
         scheduler: Any,
     ) -> None:
         self.model, self.opt, self.rt, self.cfg = model, optimizer, runtime, cfg
+        # Batches go where the model is (gradhub.prepare moves nothing).
+        first = next(model.module.parameters(), None)
+        self.device = first.device if first is not None else runtime.device
         self.loss_fn, self.scheduler = loss_fn, scheduler
         self.strategy = model.strategy
         self.log = rank_logger(__name__, runtime.rank)
@@ -111,7 +114,7 @@ class FitRun:
         self.ckpt = CheckpointDir(path=folder, rank=runtime.rank) if folder is not None else None
         half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
         self.autocast = (
-            torch.autocast(runtime.device.type, dtype=half)
+            torch.autocast(self.device.type, dtype=half)
             if half is not None
             else contextlib.nullcontext()
         )
@@ -225,7 +228,7 @@ class FitRun:
         for i, s in enumerate(micro):
             if not s.samples:
                 continue
-            batch = to_device(s.batch, self.rt.device)
+            batch = to_device(s.batch, self.device)
             quiet = self.model.no_sync() if i != last else contextlib.nullcontext()
             with quiet:
                 output, loss = self._forward(batch)
@@ -263,7 +266,7 @@ class FitRun:
         with torch.no_grad():
             for s in source.epoch(0, shuffle=False):
                 if s.samples:
-                    batch = to_device(s.batch, self.rt.device)
+                    batch = to_device(s.batch, self.device)
                     output, loss = self._forward(batch)
                     stats.add(detach(output), batch, float(loss), s.samples)
         self.model.train()

@@ -18,7 +18,11 @@ gradients in :mod:`gradhub.train.strategies`.
 
 Decisions:
 - Without ``runtime=``, :func:`gradhub.init` is called (it adopts a process
-  group that is already set up). The model is moved to ``runtime.device``.
+  group that is already set up). The model stays where the script put it
+  (as under DDP): batches go to the model's device. Where the job's group
+  cannot carry that device's tensors, a
+  :class:`~gradhub.errors.DevicePlacementError` says which group or device
+  to use (:mod:`gradhub.train.placement`).
 - Every rank must call ``prepare`` with the same model architecture; rank 0's
   initial parameters are used everywhere.
 - ``clip_grad_norm_`` clips by the norm of the combined gradient. Under
@@ -56,6 +60,7 @@ from gradhub.errors import ReplicasDivergedError
 from gradhub.runtime import Runtime, init
 from gradhub.train.ddp_options import KEYWORDS, split_ddp_options
 from gradhub.train.distributed_optimizer import DistributedOptimizer
+from gradhub.train.placement import model_device
 from gradhub.train.strategies import Strategy, check_name, make_strategy
 from gradhub.train.wrapped_model import PreparedModel
 
@@ -121,10 +126,9 @@ def prepare(
         raise TypeError("options go to the strategy's constructor, not with an instance")
     runtime = runtime if runtime is not None else init()
     name = strategy if isinstance(strategy, str) else None
-    ddp, options = split_ddp_options(name, options, runtime.device)
+    ddp, options = split_ddp_options(name, options, model_device(model, runtime))
     impl = make_strategy(strategy, **options) if isinstance(strategy, str) else strategy
     impl.ddp = ddp
-    model.to(runtime.device)
     impl.setup(model, given if several else given[0], runtime)  # None: only ps-*
     # Under ps-* without an optimizer, a stand-in that is never stepped keeps the API whole.
     if given[0] is None:

@@ -6,7 +6,7 @@ drives it, and ``fit`` drives the very same path. Contract, for every
 strategy (one module each):
 
 - :meth:`Strategy.setup` is called once per process, after ``gradhub.init()``,
-  with the model (already on ``runtime.device``), the user's optimizer (a
+  with the model (on the one device the script put it on), the user's optimizer (a
   list of them where :attr:`Strategy.several_optimizers`; only
   its class, hyperparameters and live ``param_groups`` are used where it is not
   stepped itself; ``None`` is allowed only by the parameter-server strategies)
