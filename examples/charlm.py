@@ -2,12 +2,15 @@
 
     gradhub run -n 2 examples/charlm.py
     gradhub run -n 2 examples/charlm.py --strategy sharded
+    python examples/charlm.py --device cpu                  # one process, on the CPU
     gradhub run -n 2 --servers 1 --ps-mode sync examples/charlm.py --strategy ps-sync
 
 The text is generated (seeded sentences from a small grammar, nothing to
 download). Batches are dicts (``{"tokens", "targets"}``) and the model
 returns a dict (``{"logits": (B, T, V), "loss": ...}``): ``fit`` takes the
-loss from it and reports per-character accuracy.
+loss from it and reports per-character accuracy. The model goes to
+``--device`` (default: this rank's GPU where CUDA is, else the CPU); ``fit``
+puts each batch where the model is.
 """
 
 from __future__ import annotations
@@ -88,6 +91,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--batch-size", type=int, default=32, help="global batch size")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--run-dir", default=None, help="metrics (gradhub plot it)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
 
@@ -98,6 +102,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     held_out = torch.utils.data.Subset(data, range(cut, len(data)))
     torch.manual_seed(0)
     model = CharLM(len(data.vocab), args.length, args.width, args.layers)
+    model.to(runtime.local_device(args.device))  # cuda: the GPU LOCAL_RANK picks
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     options = {"servers": args.servers} if args.servers else {}
     if runtime.is_main:

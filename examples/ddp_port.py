@@ -1,6 +1,7 @@
 """A torchrun + DDP training script, ported to gradhub: the own-loop path.
 
     gradhub run -n 2 examples/ddp_port.py                       # allreduce
+    gradhub run -n 2 examples/ddp_port.py --device cpu          # CPU also where CUDA is
     gradhub run -n 2 examples/ddp_port.py --strategy sharded
     gradhub run -n 2 --servers 1 --ps-mode sync examples/ddp_port.py --strategy ps-sync
     torchrun --nproc-per-node 2 examples/ddp_port.py
@@ -9,7 +10,8 @@ Everything a DDP script does stays as it was: a DataLoader with a
 DistributedSampler, the loop with zero_grad / backward / clip / step,
 StepLR, 2-step gradient accumulation with ``no_sync()``, a checkpoint
 written by rank 0. The lines that changed are marked ``# gradhub``; the DDP
-original of each is in the comment above it.
+original of each is in the comment above it. The model goes to ``--device``
+(default: this rank's GPU where CUDA is, else the CPU), batches to the model.
 """
 
 from __future__ import annotations
@@ -42,15 +44,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--samples", type=int, default=512)
     p.add_argument("--checkpoint", default=None, help="rank 0 writes model+optimizer here")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
 
     # runtime = torch.distributed.init_process_group("gloo")
     runtime = gradhub.init()  # gradhub
     rank, world = runtime.rank, runtime.world_size
+    device = runtime.local_device(args.device)  # cuda: the GPU LOCAL_RANK picks
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 3))
+    model.to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     # model = DistributedDataParallel(model)
     options = {"servers": args.servers} if args.servers else {}
@@ -66,6 +71,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         for i, (x, y) in enumerate(loader):
+            x, y = x.to(device), y.to(device)
             last_micro = i % 2 == 1  # 2-step accumulation: communicate on the second
             with contextlib.nullcontext() if last_micro else model.no_sync():
                 loss = F.cross_entropy(model(x), y) / 2

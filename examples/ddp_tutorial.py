@@ -1,5 +1,6 @@
 """pytorch/examples' DDP tutorial (``multigpu_torchrun.py``), ported to gradhub by
-changing the init and wrap lines only, on CPU.
+changing the init and wrap lines only; on this rank's GPU where CUDA is
+(the tutorial's ``gpu_id``), else on the CPU (``--device``).
 
 The tutorial's structure: a ``Trainer`` class, a ``DistributedSampler`` with
 ``set_epoch`` every epoch, a snapshot (model state and epochs run) saved by
@@ -36,9 +37,9 @@ ARGS: argparse.Namespace
 
 def ddp_setup() -> None:
     if ARGS.ddp:
-        init_process_group(backend="gloo")
+        init_process_group(backend="nccl" if ARGS.device == "cuda" else "gloo")
     else:
-        gradhub.init(backend="gloo")  # gradhub
+        gradhub.init()  # gradhub
 
 
 class Trainer:
@@ -51,7 +52,10 @@ class Trainer:
         snapshot_path: str,
     ) -> None:
         self.gpu_id = int(os.environ["LOCAL_RANK"])
-        self.model = model  # .to(self.gpu_id) on GPUs
+        self.device = torch.device(ARGS.device)
+        if ARGS.device == "cuda":  # the tutorial: one GPU per rank, gpu_id
+            self.device = torch.device("cuda", self.gpu_id % torch.cuda.device_count())
+        self.model = model.to(self.device)
         self.train_data = train_data
         self.optimizer = optimizer
         self.save_every = save_every
@@ -72,7 +76,7 @@ class Trainer:
             )
 
     def _load_snapshot(self, snapshot_path: str) -> None:
-        snapshot = torch.load(snapshot_path)
+        snapshot = torch.load(snapshot_path, map_location=self.device)
         self.model.load_state_dict(snapshot["MODEL_STATE"])
         self.epochs_run = snapshot["EPOCHS_RUN"]
         print(f"Resuming training from snapshot at Epoch {self.epochs_run}")
@@ -91,7 +95,7 @@ class Trainer:
         )
         self.train_data.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
         for source, targets in self.train_data:
-            self._run_batch(source, targets)
+            self._run_batch(source.to(self.device), targets.to(self.device))
 
     def _save_snapshot(self, epoch: int) -> None:
         snapshot = {"MODEL_STATE": self.model.module.state_dict(), "EPOCHS_RUN": epoch}
@@ -100,7 +104,7 @@ class Trainer:
 
     @torch.no_grad()
     def _validate(self, epoch: int) -> None:
-        x, y = validation_set()
+        x, y = (t.to(self.device) for t in validation_set())
         self.val_losses[epoch] = float(F.cross_entropy(self.model(x), y))
 
     def train(self, max_epochs: int) -> None:
@@ -153,6 +157,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--ddp", action="store_true", help="the DDP original (reference)")
     parser.add_argument("--strategy", default="allreduce", help="gradhub strategy")
     parser.add_argument("--servers", nargs="*", help="parameter-server addresses (ps-*)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ARGS = parser.parse_args(argv)
 
     ddp_setup()

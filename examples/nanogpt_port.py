@@ -14,8 +14,9 @@ and ``--init_from resume`` loading it before the wrap.
     torchrun --nproc-per-node 2 examples/nanogpt_port.py --ddp        # the DDP original
 
 The two lines that differ from the DDP script are marked ``# gradhub``;
-``--ddp`` runs the original lines instead (plain DDP on gloo), so the same
-script gives the reference.
+``--ddp`` runs the original lines instead (plain DDP), so the same script
+gives the reference. ``--device cuda`` (the default where CUDA is) runs as
+nanoGPT does on GPUs: NCCL, one GPU per rank; ``--device cpu`` on gloo.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lr_decay_iters", type=int, default=40)
     p.add_argument("--min_lr", type=float, default=1e-3)
     p.add_argument("--dtype", default="float16", help="float16 turns the GradScaler on")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     return p.parse_args(argv)
 
 
@@ -92,8 +94,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     batch_size, block_size = args.batch_size, args.block_size
     learning_rate, max_iters = args.learning_rate, args.max_iters
     grad_clip, dtype = args.grad_clip, args.dtype
-    backend = "gloo"
-    device = "cpu"
+    device = args.device
+    backend = "nccl" if device == "cuda" else "gloo"
 
     # various inits, derived attributes, I/O setup
     ddp = int(os.environ.get("RANK", -1)) != -1  # is this a ddp run?
@@ -104,6 +106,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             gradhub.init(backend=backend)  # gradhub
         ddp_rank = int(os.environ["RANK"])
         ddp_world_size = int(os.environ["WORLD_SIZE"])
+        if device == "cuda":  # nanoGPT: f"cuda:{ddp_local_rank}"
+            device = f"cuda:{int(os.environ['LOCAL_RANK']) % torch.cuda.device_count()}"
+            torch.cuda.set_device(device)
         master_process = ddp_rank == 0  # this process will do logging, checkpointing etc.
         seed_offset = ddp_rank  # each process gets a different seed
         assert gradient_accumulation_steps % ddp_world_size == 0

@@ -7,9 +7,11 @@
         examples/train_digits.py --strategy ps-sync
     gradhub run -n 4 --max-restarts 2 examples/train_digits.py --run-dir runs/digits
     python examples/train_digits.py            # one process
+    python examples/train_digits.py --device cpu
 
 Every process runs this same script; ``gradhub.init()`` reads the launcher's
-environment and ``fit`` splits each batch over the processes. With
+environment and ``fit`` splits each batch over the processes and puts each
+part where the model is (``--device``: this rank's GPU where CUDA is, else the CPU). With
 ``--max-restarts``, give a ``--run-dir`` of your own: restarted workers resume
 from the checkpoints in it (the default folder's name holds the start time,
 which a restarted worker does not share).
@@ -45,6 +47,7 @@ def main() -> None:
     )
     p.add_argument("--checkpoint-dir", help="write checkpoints here")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args()
 
     runtime = gradhub.init()
@@ -58,6 +61,7 @@ def main() -> None:
 
     torch.manual_seed(0)  # rank 0's initial weights are broadcast anyway
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    model.to(runtime.local_device(args.device))  # cuda: the GPU LOCAL_RANK picks
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     options: dict[str, object] = {"servers": args.servers} if args.servers else {}
     if args.secret_file:

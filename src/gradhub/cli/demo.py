@@ -13,7 +13,10 @@ reference), and ``allreduce``, ``sharded``, ``ps-async``, ``ps-sync``,
 torchrun's machinery (:func:`gradhub.launcher.launch`, parameter servers
 first for ``ps-*``). Metrics go to JSON lines under the run folder (one
 sub-folder per strategy) and the curves to ``curves.png`` there. Wall time
-counts process start-up; samples/s counts the training loop only.
+counts process start-up; samples/s counts the training loop only. The MLP
+rows train on ``--device`` (default: each worker's GPU where CUDA is
+available, else the CPU; more workers than GPUs share them over gloo, see
+:func:`gradhub.runtime.pick_backend`); the threads row on the CPU.
 """
 
 from __future__ import annotations
@@ -103,6 +106,7 @@ def run_single(args: argparse.Namespace) -> DemoRow:
         batch_size=args.batch_size,
         lr=args.mlp_lr,
         seed=args.seed,
+        device=args.device,
     )
     return _mlp_row("single", 1, asdict(result), time.perf_counter() - begin)
 
@@ -125,6 +129,7 @@ def _job(name: str) -> Callable[[argparse.Namespace], DemoRow]:
                 f"--batch-size={args.batch_size}",
                 f"--lr={args.mlp_lr}",
                 f"--seed={args.seed}",
+                f"--device={args.device}",
             ],
             servers=1 if name in _PS_MODES else 0,
             server=ServerConfig(
@@ -175,6 +180,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--run-dir", type=Path, help="folder for metrics and curves (default runs/demo-TIME)"
     )
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        help="where the MLP rows train (default: cuda where CUDA is available, else cpu)",
+    )
     p.set_defaults(handler=run)
 
 
@@ -183,6 +193,10 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if not args.verbose:  # keep the servers' and workers' chatter out of the table
         logging.getLogger("gradhub").setLevel(logging.WARNING)
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = [STRATEGIES[name](args) for name in (args.strategy or list(STRATEGIES))]
     print(
         f"{'strategy':<10} {'workers':>7} {'test acc':>9} {'wall s':>7} {'samples/s':>10}  detail"

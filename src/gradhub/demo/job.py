@@ -3,7 +3,8 @@
 ``gradhub demo`` starts this module on every worker through
 :func:`gradhub.launcher.launch` (torchrun underneath), once per strategy.
 It trains a small MLP on scikit-learn's digits with
-:class:`~gradhub.DataParallelTrainer`; rank 0 writes the result as
+:class:`~gradhub.DataParallelTrainer` on ``--device`` (``cuda``: the GPU
+``LOCAL_RANK`` picks); rank 0 writes the result as
 ``result.json`` in the run folder, which the demo reads for its table.
 """
 
@@ -35,13 +36,16 @@ def train(
     lr: float,
     seed: int,
     progress: bool = True,
+    device: str = "cpu",
 ) -> gradhub.FitResult:
-    """Train the digits MLP with ``strategy`` in this process of the job."""
+    """Train the digits MLP with ``strategy`` in this process of the job, on
+    ``device`` (``"cpu"`` or ``"cuda"``)."""
     x_train, y_train, x_test, y_test = load_digits_split(0.2, seed)
     model = make_mlp(seed)
-    # ps-* strategies use the servers' optimizer; the others this one.
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     with gradhub.init(timeout=60) as runtime:
+        model.to(runtime.local_device(device))
+        # ps-* strategies use the servers' optimizer; the others this one.
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
         with gradhub.DataParallelTrainer(
             model, optimizer, strategy=strategy, runtime=runtime
         ) as trainer:
@@ -68,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     train(
@@ -78,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         lr=args.lr,
         seed=args.seed,
         progress=not args.no_progress,
+        device=args.device,
     )
     return 0
 
