@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test check install bench bench-net clean test-torch-dist
+.PHONY: demo test test-gpu check install bench bench-net clean test-torch-dist
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,16 @@ check: $(STAMP)
 # workers gain little (-n 3: 7.7) and load the timing of failure tests.
 test: check
 	$(BIN)/python -m pytest -W error --durations=15 -n 2 --dist loadfile
+
+# The tests that need CUDA (tests/gpu/ and the other `gpu`-marked ones; `make
+# test` collects them too and skips them without CUDA): every strategy against
+# plain training on one GPU, two ranks on one GPU over gloo, no host
+# synchronisation in a step, the examples and the demo on CUDA, two-GPU NCCL
+# (skipped below 2 GPUs). Under 5 minutes on one GPU. With the machine's own
+# torch instead of the virtualenv's: `make test-gpu GPU_PYTHON=python3`.
+GPU_PYTHON ?= $(BIN)/python
+test-gpu:
+	$(GPU_PYTHON) -m pytest -W error -rs --durations=15 -m gpu tests
 
 # torch's own distributed suite (DistributedTest._DistTestBase) on gloo, on the
 # gradhub backend, and on gradhub under gloo's name (the cases torch gates on the
