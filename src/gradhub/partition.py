@@ -29,3 +29,20 @@ def partition_ranges(size: int, num_partitions: int) -> list[tuple[int, int]]:
     """Return ``(start, length)`` for every partition, in order."""
     _validate(size, num_partitions)
     return [partition_range(size, num_partitions, p) for p in range(num_partitions)]
+
+
+def segment_ranges(
+    size: int, num_partitions: int, offset: int, length: int
+) -> list[tuple[int, int]]:
+    """Where each partition's part of the segment ``[offset, offset + length)`` of the
+    flat vector lies in that segment: ``(start in the segment, length)`` per
+    partition, back to back in partition order and covering the segment (a
+    partition with nothing there gets an empty range at its place)."""
+    _validate(size, num_partitions)
+    if offset < 0 or length < 0 or offset + length > size:
+        raise ValueError(f"segment [{offset}, {offset + length}) is not inside [0, {size})")
+    out = []
+    for s, n in partition_ranges(size, num_partitions):
+        a, b = max(s, offset), min(s + n, offset + length)
+        out.append((a - offset, b - a) if b > a else (min(max(s - offset, 0), length), 0))
+    return out

@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gradhub.partition import partition_range, partition_ranges
+from gradhub.partition import partition_range, partition_ranges, segment_ranges
 
 sizes = st.integers(min_value=0, max_value=10_000)
 parts = st.integers(min_value=1, max_value=64)
@@ -50,3 +50,29 @@ def test_bigdl_formula_example() -> None:
 def test_bad_arguments(size: int, p: int, pid: int) -> None:
     with pytest.raises(ValueError):
         partition_range(size, p, pid)
+
+
+@given(st.data(), sizes, parts)
+def test_segment_ranges_are_each_partition_s_part_of_the_segment(
+    data: st.DataObject, size: int, p: int
+) -> None:
+    offset = data.draw(st.integers(0, size))
+    length = data.draw(st.integers(0, size - offset))
+    ranges = segment_ranges(size, p, offset, length)
+    position = 0
+    for (start, n), (slice_start, slice_length) in zip(
+        ranges, partition_ranges(size, p), strict=True
+    ):
+        assert start == position  # back to back, covering the segment
+        # exactly the elements of the segment inside this partition's slice
+        inside = range(max(offset, slice_start), min(offset + length, slice_start + slice_length))
+        assert n == len(inside)
+        if n:
+            assert offset + start == inside[0]
+        position += n
+    assert position == length
+
+
+def test_segment_outside_the_vector_is_refused() -> None:
+    with pytest.raises(ValueError, match="not inside"):
+        segment_ranges(10, 2, 8, 3)

@@ -36,6 +36,9 @@ def test_first_buckets_are_reduced_before_the_backward_reaches_the_first_block(
             f"rank {r.rank}: only {len(before)} reduction(s) done before the last "
             f"block's backward began; block starts {backward}, calls {calls}"
         )
+        if how == "sharded":  # each bucket's sums are gathered behind its reduce-scatter
+            gathered = [b for kind, _, b in calls if kind == "all_gather" and b < last_block_starts]
+            assert len(gathered) >= BLOCKS - 2, f"rank {r.rank}: {calls}"
 
 
 @pytest.mark.slow

@@ -70,7 +70,7 @@ from gradhub.collective.ring import (
     run_shared_vectors,
 )
 from gradhub.errors import ClosedError, StateError
-from gradhub.partition import partition_range, partition_ranges
+from gradhub.partition import partition_range, segment_ranges
 from gradhub.transports.group import CollectiveFuture, CollectiveGroup
 from gradhub.trees import Tree, TreeSpec, as_tree
 
@@ -348,10 +348,7 @@ class AllReduceParameter:
             )
         if segment.dtype != torch.float32 or not segment.is_contiguous():
             raise TypeError("put_gradient_segment takes a contiguous float32 tensor")
-        ranges = []
-        for s, length in partition_ranges(self.size, self.partition_num):
-            a, b = max(s, offset), min(s + length, offset + n)
-            ranges.append((a - offset, b - a) if b > a else (min(max(s - offset, 0), n), 0))
+        ranges = segment_ranges(self.size, self.partition_num, offset, n)
         here, length = ranges[self.partition_id]
         begin = offset + here - self._start
         out = self._gradients[begin : begin + length] if length else self._gradients[:0]

@@ -261,13 +261,17 @@ def run_all_gather(
     small_bytes: int = SMALL_BYTES,
     name: str = "all_gather",
     stage: Staging | None = None,
+    ranges: list[tuple[int, int]] | None = None,
 ) -> torch.Tensor:
     """The all-gather of this rank's encoded slice; call it on the worker thread.
 
     Returns ``out`` (or a new fp32 vector of ``size`` on ``own_wire``'s device)
     holding every decoded slice. ``stage``: see :func:`run_all_reduce`.
+    ``ranges``: each rank's ``(start, length)`` in ``out``, as :func:`run_reduce_scatter`
+    takes them (default: :func:`gradhub.partition.partition_ranges`).
     """
-    ranges = partition_ranges(size, group.world_size)
+    if ranges is None:
+        ranges = partition_ranges(size, group.world_size)
     length = ranges[group.rank][1]
     if own_wire.numel() != length:
         raise ShapeMismatchError(

@@ -12,16 +12,18 @@ A synchronising backward (outside ``no_sync()``, or with
    (see :mod:`.base`), is written into a flat gradient vector, cut into
    buckets of about ``bucket_mb`` megabytes in the order backward produces
    them (the last parameters first); a full bucket's reduce-scatter starts at
-   once on the group's communication thread
-   (:meth:`~gradhub.collective.AllReduceParameter.put_gradient_segment`),
-   buckets strictly in the same order on every rank, optionally compressed
-   on the wire (``compress="bf16"`` etc.). Each rank ends with the sum of
-   its own slice: without compression the same bits as one reduce-scatter
-   of the whole vector;
-2. when backward ends, the summed slices are all-gathered into that flat
-   vector and every used parameter's ``.grad`` becomes a view of it. So
-   after backward ``p.grad`` holds the full combined gradient, the same bits
-   on every rank, as under DDP (torch's ``ZeroRedundancyOptimizer`` beside
+   once on the group's communication thread, buckets strictly in the same
+   order on every rank, optionally compressed on the wire
+   (``compress="bf16"`` etc.) (:mod:`.sharded_buckets`). Each rank ends with
+   the sum of its own slice: without compression the same bits as one
+   reduce-scatter of the whole vector;
+2. right behind each bucket's reduce-scatter, the bucket's summed parts are
+   all-gathered back into its place in the flat vector, while the backward
+   goes on (with ``set_samples(n)`` alone, whose sums are divided by a count
+   known only at its end, after the backward); when backward ends every
+   used parameter's ``.grad`` becomes a view of that vector. So after
+   backward ``p.grad`` holds the full combined gradient, the same bits on
+   every rank, as under DDP (torch's ``ZeroRedundancyOptimizer`` beside
    DDP keeps full gradients too and shards only the optimizer state).
 
 The prepared optimizer's ``step``: the slice optimizer steps this rank's
@@ -109,6 +111,7 @@ from gradhub.errors import UnsupportedByStrategyError
 from gradhub.optim import OptimizerSpec
 from gradhub.runtime import Runtime
 from gradhub.train.strategies.base import Strategy
+from gradhub.train.strategies.sharded_buckets import GradientBuckets
 from gradhub.train.strategies.sharded_state import (
     ShardResponder,
     assemble,
@@ -160,14 +163,8 @@ class ShardedStrategy(Strategy):
         self._arp: AllReduceParameter | None = None
         self._opt: ShardedOptimizer | None = None
         self._responder: ShardResponder | None = None
-        # buckets: (offset, numel) in the flat vector; per parameter: (bucket, offset)
-        self._buckets: list[tuple[int, int]] = []
-        self._slot: dict[int, tuple[int, int]] = {}
-        self._sizes: list[int] = []  # parameters per bucket
-        self._ready: list[int] = []
-        self._filled: set[int] = set()
-        self._next_launch = 0
-        self._scale, self._by_count = 1.0, False
+        self._buckets: GradientBuckets | None = None
+        self._by_count = False
         self._flags: StepFlags | None = None
 
     def setup(self, model: torch.nn.Module, optimizer: Any, runtime: Runtime) -> None:
@@ -220,7 +217,9 @@ class ShardedStrategy(Strategy):
         if loaded is not None:  # state loaded into the plain optimizer before prepare
             self._load_pieces(loaded)
             optimizer.state.clear()
-        self._build_buckets()
+        self._buckets = GradientBuckets(
+            self.params, self._grad, self._arp, self.runtime.group, self.config.bucket_mb
+        )
         self._flags = StepFlags(len(self.params), self.runtime.group)
         self._start_responder()  # last: a request may come as soon as it runs
 
@@ -270,71 +269,23 @@ class ShardedStrategy(Strategy):
         assert self._opt is not None
         return to_bytes(pieces_state(self._opt, to_cpu=True))
 
-    def _build_buckets(self) -> None:
-        """Cut the flat vector into buckets, last parameters first (backward's order)."""
-        offsets, total = [], 0
-        for p in self.params:
-            offsets.append(total)
-            total += p.numel()
-        limit = max(1, int(self.config.bucket_mb * 1024 * 1024 / 4))
-        end, size, count = total, 0, 0
-        for i in reversed(range(len(self.params))):
-            n = self.params[i].numel()
-            if count and size + n > limit:
-                self._buckets.append((end - size, size))
-                self._sizes.append(count)
-                end, size, count = end - size, 0, 0
-            self._slot[id(self.params[i])] = (len(self._buckets), offsets[i])
-            size, count = size + n, count + 1
-        self._buckets.append((end - size, size))
-        self._sizes.append(count)
-        self._ready = [0] * len(self._buckets)
-
     # one synchronising backward ------------------------------------------------------
 
     def _begin_sync(self) -> None:
-        self._ready = [0] * len(self._buckets)
-        self._filled.clear()
-        self._next_launch = 0
-        self._scale, self._by_count = self._weights()
+        assert self._buckets is not None
+        scale, self._by_count = self._weights()
+        # Sums divided by a count known only after backward are gathered after it.
+        self._buckets.begin(scale, gather=not self._by_count)
 
     def _grad_ready(self, p: torch.Tensor) -> None:
-        if self.config.overlap and p.grad is not None and id(p) not in self._filled:
-            self._fill(p)
-            self._launch_ready()
-
-    def _fill(self, p: torch.Tensor) -> None:
-        b, offset = self._slot[id(p)]
-        slot = self._grad[offset : offset + p.numel()]
-        grad = p.grad
-        if grad is None:
-            slot.zero_()
-        elif grad.data_ptr() == slot.data_ptr() and grad.is_contiguous():
-            slot.mul_(self._scale)  # .grad is already this view (the last combined gradient)
-        elif grad.dtype == torch.float32:
-            torch.mul(grad.reshape(-1), self._scale, out=slot)
-        else:  # 16-bit parameters: weighted and summed in fp32
-            slot.copy_(grad.reshape(-1)).mul_(self._scale)
-        self._filled.add(id(p))
-        self._ready[b] += 1
-
-    def _launch_ready(self) -> None:
-        assert self._arp is not None
-        while self._next_launch < len(self._buckets):
-            b = self._next_launch
-            if self._ready[b] < self._sizes[b]:
-                return
-            offset, n = self._buckets[b]
-            self._arp.put_gradient_segment(self._grad[offset : offset + n], offset)
-            self._next_launch += 1
+        if self.config.overlap:
+            assert self._buckets is not None
+            self._buckets.ready(p)
 
     def _finish_backward(self) -> None:
         """Complete the reduce-scatters, all-gather the sums, point ``.grad`` at them."""
-        assert self._arp is not None
-        for p in self.params:
-            if id(p) not in self._filled:
-                self._fill(p)
-        self._launch_ready()
+        assert self._arp is not None and self._buckets is not None
+        self._buckets.finish()
         group = self.runtime.group
         # Per parameter: ranks that hold a gradient; last: the summed sample count.
         assert self._flags is not None
@@ -343,15 +294,16 @@ class ShardedStrategy(Strategy):
         counted = self._flags.launch()  # queued behind the reduce-scatters
         reduced = self._arp.aggregate_gradient_partition()
         used, total = self._flags.read(counted.wait)
-        if self._by_count:
-            reduced.div_(total)
-        all_gather(
-            reduced,
-            self._arp.size,
-            group=group,
-            compress=self._arp.gradient_codec,
-            out=self._grad,
-        )
+        if not self._buckets.wait_gathered():
+            if self._by_count:
+                reduced.div_(total)
+            all_gather(
+                reduced,
+                self._arp.size,
+                group=group,
+                compress=self._arp.gradient_codec,
+                out=self._grad,
+            )
         if self._model_grad is not self._grad:
             self._model_grad.copy_(self._grad)  # rounded once, the same on every rank
         for p, view, anywhere in zip(self.params, self._grad_views, used, strict=True):
