@@ -117,6 +117,13 @@ class StreamWork:
         return True
 
 
+class Ready:
+    """A reduction with nothing to wait for."""
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        return True
+
+
 class _Widen:
     """Handle of a 16-bit all-reduce: waits, then copies the sum back into fp32."""
 
@@ -153,6 +160,8 @@ class AllReduce:
         self, bucket: torch.Tensor, *, shapes: list[torch.Size], bucket_index: int, step: int
     ) -> Any:
         if self.collective is not None and not on_native_device(bucket, self.collective):
+            if self.collective.world_size == 1:
+                return Ready()  # the sum over one rank is the bucket itself
             return all_reduce(bucket, group=self.collective)
         group = self.collective.process_group if self.collective is not None else self.group
         work = dist.all_reduce(bucket, group=group, async_op=True)

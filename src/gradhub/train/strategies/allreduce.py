@@ -277,7 +277,7 @@ class AllReduceStrategy(Strategy):
         elif self._hook is not None:
             slot.copy_(grad.reshape(-1))  # a comm hook does its own averaging
         elif grad.dtype == torch.float32:
-            torch.mul(grad.reshape(-1), self._scale, out=slot)  # DDP's mul_out
+            torch.mul(grad, self._scale, out=bucket.views[i])  # DDP's mul_out
         else:
             slot.copy_(grad.reshape(-1))  # 16-bit: widened exactly, scaled in fp32
             slot.mul_(self._scale)
@@ -309,7 +309,7 @@ class AllReduceStrategy(Strategy):
     def _launch_flags(self) -> Any:
         flags = self._flags
         assert flags is not None
-        if self._thread is None:
+        if self._thread is None or self.world_size == 1:
             return flags.launch()
 
         def reduce_flags() -> None:
@@ -371,7 +371,7 @@ class AllReduceStrategy(Strategy):
                     p.grad = view
 
     def _await(self, work: Any) -> None:
-        if isinstance(work, (CollectiveFuture, reducers.StreamWork)):
+        if isinstance(work, _SELF_BOUNDED):
             work.wait()  # bounded by its own deadline (see each); its error names the ranks
         else:  # a c10d Work or a reducer's handle: the runtime's bounded wait
             self._wait(_Patient(work, self.runtime.timeout), "all_reduce")
@@ -403,6 +403,10 @@ class AllReduceStrategy(Strategy):
         if self._thread is not None:
             self._thread.shutdown(wait=False, cancel_futures=True)
         super().close()
+
+
+_SELF_BOUNDED = (CollectiveFuture, reducers.StreamWork, reducers.Ready)
+"""Handles whose ``wait`` has its own bound and names whom it waited for."""
 
 
 def _aliases(grad: torch.Tensor, slot: torch.Tensor) -> bool:

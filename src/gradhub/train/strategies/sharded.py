@@ -293,7 +293,7 @@ class ShardedStrategy(Strategy):
         self._flags.write([p.grad is not None for p in self.params], count)
         counted = self._flags.launch()  # queued behind the reduce-scatters
         reduced = self._arp.aggregate_gradient_partition()
-        used, total = self._flags.read(counted.wait)
+        used, total = self._flags.read(None if counted is None else counted.wait)
         if not self._buckets.wait_gathered():
             if self._by_count:
                 reduced.div_(total)

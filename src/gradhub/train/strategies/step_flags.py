@@ -52,7 +52,10 @@ class StepFlags:
         self.tensor.zero_()
 
     def launch(self) -> Any:
-        """Start summing over the ranks; returns the work to wait for."""
+        """Start summing over the ranks; returns the work to wait for (``None``
+        in a job of one rank, whose values are the sum)."""
+        if self._group.world_size == 1:
+            return None
         return all_reduce(self.tensor, group=self._group)
 
     def read(self, wait: Callable[[], None] | None = None) -> tuple[np.ndarray, float]:

@@ -201,7 +201,7 @@ class _PSStrategy(Strategy):
                 n = self._keys[i].param.numel()
                 combined[i] = flat[offset : offset + n]
                 offset += n
-        used, summed = flags.read(counted.wait)
+        used, summed = flags.read(None if counted is None else counted.wait)
         total = summed if by_count else 1.0
         for i, key in enumerate(self._keys):
             p = key.param
