@@ -188,6 +188,15 @@ class UnsupportedTensorError(GradhubError, ValueError):
     message says what to use instead."""
 
 
+class CollectiveArgumentError(UnsupportedTensorError, RuntimeError):
+    """An operation of the ``"gradhub"`` torch.distributed backend refused its
+    arguments on the calling rank, from the call itself and before anything was
+    sent (a dtype gloo does not take, an op/dtype pair with no meaning, sizes
+    or dtypes that do not fit together): the group stays usable. A
+    ``RuntimeError``, as gloo's refusal of the same call, and a ``ValueError``
+    (:class:`UnsupportedTensorError`)."""
+
+
 class DevicePlacementError(GradhubError, ValueError):
     """A model on a device the job's process group cannot carry (a CPU model on
     NCCL alone, a CUDA model on a CPU-only backend such as ``"gradhub"``), or on

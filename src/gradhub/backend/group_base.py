@@ -21,10 +21,11 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from gradhub.backend import operations as ops
+from gradhub.backend.checks import Call
 from gradhub.backend.operations import Context
 from gradhub.backend.work import GradhubWork
 from gradhub.collective import CollectiveGroup
-from gradhub.errors import ClosedError, UnsupportedTensorError
+from gradhub.errors import ClosedError
 from gradhub.transports.choice import chosen
 
 _log = logging.getLogger("gradhub.backend")
@@ -37,15 +38,6 @@ def destroy_inner(pg: dist.ProcessGroup) -> None:
     the whole world down itself)."""
     if pg in c10d._world.pg_map:
         dist.destroy_process_group(pg)
-
-
-def check_cpu(name: str, tensors: Tensors) -> None:
-    for t in tensors:
-        if t.device.type != "cpu":
-            raise UnsupportedTensorError(
-                f"{name}: the gradhub backend takes CPU tensors, got one on {t.device}\n"
-                '- help: use NCCL for GPU tensors: dist.init_process_group("nccl")'
-            )
 
 
 class GroupBase(dist.ProcessGroup):
@@ -125,6 +117,10 @@ class GroupBase(dist.ProcessGroup):
             )
             self._context = Context(group, self._collectives)
         return self._context
+
+    def _call(self, name: str) -> Call:
+        """The checks of one call of operation ``name`` (:mod:`.checks`)."""
+        return Call(name, self._rank, self._size)
 
     def _submit(
         self, name: str, outputs: list[torch.Tensor], body: Callable[[], None]

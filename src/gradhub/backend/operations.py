@@ -2,38 +2,68 @@
 
 Two paths:
 
-- **gradhub's transports** (:mod:`gradhub.collective`: shared memory on one
-  host, hierarchical across hosts holding several ranks, the ring otherwise,
-  chosen as ``gradhub.init`` chooses): all-reduce, reduce-scatter and
-  all-gather of dense fp32 tensors with ``SUM``, ``AVG`` and ``PREMUL_SUM``.
+- **gradhub's transports** (shared memory on one host, hierarchical across
+  hosts holding several ranks, the ring otherwise, chosen as ``gradhub.init``
+  chooses): all-reduce, reduce-scatter and all-gather of dense fp32, bf16 and
+  fp16 tensors (reductions: ``SUM``, ``AVG`` and ``PREMUL_SUM``), and
+  broadcast of any dense tensor.
 - **the group's inner gloo group**, bounded and named through the same
   :class:`~gradhub.collective.CollectiveGroup`: everything else (other dtypes,
-  ``MAX``/``MIN``/``PRODUCT``/``BAND``/``BOR``/``BXOR``, broadcast, all-to-all,
-  barrier, gather, scatter, reduce), so those results are gloo's, bit for bit.
+  ``MAX``/``MIN``/``PRODUCT``/``BAND``/``BOR``/``BXOR``, all-to-all, barrier,
+  gather, scatter, reduce), so those results are gloo's, bit for bit.
+
+Arguments were checked on the calling rank before the body was queued
+(:mod:`gradhub.backend.checks`), so a body fails only when a peer dies or
+stalls, which breaks the group.
 
 Numerics of the transport path (every rank ends with the same bits):
 
-- The sum of element ``i`` is formed by the rank ``r`` that owns the slice
-  holding ``i`` (slices per :func:`gradhub.partition.partition_ranges`) as
+- **fp32.** The sum of element ``i`` is formed by the rank ``r`` that owns the
+  slice holding ``i`` (slices per :func:`gradhub.partition.partition_ranges`) as
   ``((x[r+1] + x[r+2]) + ...) + x[r]`` (ranks modulo the group size, the
-  owner's own value last; :func:`gradhub.collective.schedule.reduction_order`),
+  owner's own value last; :func:`gradhub.transports.schedule.reduction_order`),
   in fp32, and handed to every rank unchanged. With two ranks that is the sum
   gloo forms (fp32 addition commutes), so DDP's gradients agree with gloo's
   bit for bit; with more ranks the association differs from gloo's ring, a
   difference of at most ``(P - 1)`` roundings of the sum's magnitude.
   ``hierarchical`` adds each host's values first (see its module).
-- ``AVG`` is that sum divided by the group size on every rank;
-  ``PREMUL_SUM(f)`` multiplies each rank's input by ``f`` before the sum.
+- **bf16 and fp16.** Each rank's values are widened to fp32 (exactly),
+  summed in fp32 in the order above, and the sum is rounded to the tensor's
+  dtype once (to nearest even; beyond the dtype's range: inf). The ring and
+  ``gloo`` send the 16-bit values themselves (the 16-bit wire codecs of
+  :mod:`gradhub.codecs`) on their collective path at every size, which
+  rounds each contribution to 16 bits (no change here) and never a partial
+  sum per hop; shared memory and ``hierarchical`` carry the fp32 values (on
+  one host the conversions would cost more than the bytes they save; the
+  ring between hosts would round per hop). So every transport gives the same
+  bits, ``hierarchical`` those of its own order.
+  gloo adds two values in fp32 and rounds to 16 bits after every addition:
+  with two ranks that is one addition, the same bits. With ``P > 2`` ranks
+  gloo rounds ``P - 1`` times where this rounds once: with ``u`` the dtype's
+  unit roundoff (``2**-8`` bf16, ``2**-11`` fp16) and ``S = sum(|x_r|)`` over
+  the ranks, the two differ by at most ``(P * u + 2 * (P - 1) * 2**-24) * S``
+  per element (gloo's error is up to ``(P - 1) * u * S``, this one's
+  ``u * |sum| + (P - 1) * 2**-24 * S``), and where one of gloo's partial sums
+  overflows the dtype (fp16: 65504) gloo gives inf and this the finite sum.
+  Tested: gloo's bits with two ranks on each transport, the bound with three
+  (shared memory) and four (two hosts of two) ranks.
+- ``AVG``: fp32: the fp32 sum divided by the group size; bf16/fp16: the
+  rounded sum divided by the group size in the tensor's dtype (gloo's order:
+  the same bits with two ranks). ``PREMUL_SUM(f)`` multiplies each rank's
+  input by ``f`` (in its dtype) before the sum.
+- All-gather and broadcast move the values unchanged (a 16-bit NaN stays a
+  NaN, its payload bits may not; broadcast moves bytes, also those).
 
 Non-contiguous tensors go through contiguous copies that are copied back;
-tensors that lie back to back in one storage (``reduce_scatter_tensor``'s
-chunks of one input) are read in place, as one vector.
+fp32 tensors that lie back to back in one storage (``reduce_scatter_tensor``'s
+chunks of one input) are read in place, as one vector; 16-bit tensors are
+widened into an fp32 vector of the group's (reused between operations).
 
-The bodies call the collectives' own bodies (:func:`gradhub.collective.ring.run_all_reduce`
-and its siblings) on the group's worker thread itself: the transports' group
-belongs to this process group alone and its operations already run one at a
-time, in call order, on that thread, so a second thread hop per operation
-would add a wake-up (two under load) and nothing else.
+The bodies call the transport (:class:`~gradhub.transports.base.Transport`)
+on the group's worker thread itself: the transports' group belongs to this
+process group alone and its operations already run one at a time, in call
+order, on that thread, so a second thread hop per operation would add a
+wake-up (two under load) and nothing else.
 """
 
 from __future__ import annotations
@@ -47,12 +77,23 @@ import torch.distributed as dist
 
 from gradhub import codecs
 from gradhub.collective import CollectiveGroup
-from gradhub.collective.ring import run_all_gather, run_all_reduce, run_reduce_scatter
-from gradhub.errors import UnsupportedTensorError
+from gradhub.errors import CollectiveArgumentError
+from gradhub.transports import choice
+from gradhub.transports.base import Chunking, Transport
+from gradhub.transports.operation import Operation
 
 RedOp: Any = dist.ReduceOp.RedOpType
 _TRANSPORT_OPS = (RedOp.SUM, RedOp.AVG, RedOp.PREMUL_SUM)
 _PLAIN = codecs.NoCompression()
+WIRE: dict[torch.dtype, codecs.Codec] = {
+    torch.float32: _PLAIN,
+    torch.bfloat16: codecs.BF16(),
+    torch.float16: codecs.FP16(saturate=False),  # overflow is inf, as gloo's
+}
+"""The dtypes the transports carry, each with the wire codec that sends its own values."""
+_DEFAULT = Chunking()
+_EVERY_SIZE = Chunking(small_bytes=1 << 62)
+"""The transports' collective path at every size (16-bit sums: no rounding per hop)."""
 
 
 @dataclass(frozen=True)
@@ -86,20 +127,21 @@ class Context:
 
 
 def on_transport(tensors: Sequence[torch.Tensor], reduction: Reduction | None = None) -> bool:
-    """Whether gradhub's transports carry this operation (dense fp32, a sum)."""
+    """Whether gradhub's transports carry this operation (dense tensors of one
+    dtype of :data:`WIRE`; a sum)."""
     if reduction is not None and reduction.kind not in _TRANSPORT_OPS:
         return False
-    return all(t.dtype == torch.float32 and t.layout == torch.strided for t in tensors)
+    return bool(tensors) and all(
+        t.dtype == tensors[0].dtype and t.dtype in WIRE and t.layout == torch.strided
+        for t in tensors
+    )
 
 
 def premultiply(tensors: Sequence[torch.Tensor], reduction: Reduction) -> None:
+    """Multiply by ``PREMUL_SUM``'s factor in place (floating-point tensors:
+    :mod:`.checks` refused the others)."""
     if reduction.kind == RedOp.PREMUL_SUM and reduction.factor is not None:
         for t in tensors:
-            if not t.is_floating_point():
-                raise UnsupportedTensorError(
-                    f"PREMUL_SUM needs floating-point tensors, got {t.dtype}\n"
-                    "- help: multiply the integers yourself and use ReduceOp.SUM"
-                )
             t.mul_(reduction.factor)
 
 
@@ -152,61 +194,125 @@ def _scatter_back(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
 
 
 # ---------------------------------------------------------------- transports
+def _begin(ctx: Context, name: str) -> tuple[Operation, Transport]:
+    """Begin operation ``name`` on the transports' group; its transport."""
+    op = ctx.group.begin(name, check_in=choice.checks_in(ctx.group))
+    return op, choice.select(ctx.group, op)
+
+
+def _summing(transport: Transport, dtype: torch.dtype) -> tuple[codecs.Codec, Chunking]:
+    """The wire codec and chunking of a sum of ``dtype`` values (module docstring):
+    fp32 in memory (``shm``; ``hierarchical``, whose ring between hosts would
+    round per hop), the 16-bit values over a network, summed without rounding."""
+    if dtype == torch.float32 or transport.name in ("shm", "hierarchical"):
+        return _PLAIN, _DEFAULT
+    return WIRE[dtype], _EVERY_SIZE
+
+
+def _equal(n: int, size: int) -> list[tuple[int, int]]:
+    return [(r * n, n) for r in range(size)]
+
+
+def _widened(ctx: Context, tensors: Sequence[torch.Tensor], reduction: Reduction) -> torch.Tensor:
+    """The fp32 values of 16-bit ``tensors`` back to back (premultiplied in
+    their own dtype), in a vector of the group's."""
+    flat = ctx.group.scratch("backend_widened", sum(t.numel() for t in tensors), torch.float32)
+    at = 0
+    for t in tensors:
+        source = t.detach()
+        if reduction.kind == RedOp.PREMUL_SUM and reduction.factor is not None:
+            source = source * reduction.factor
+        flat[at : at + t.numel()].view(t.shape).copy_(source)
+        at += t.numel()
+    return flat
+
+
 def transport_all_reduce(
-    ctx: Context, tensors: Sequence[torch.Tensor], reduction: Reduction
+    ctx: Context, name: str, tensors: Sequence[torch.Tensor], reduction: Reduction
 ) -> None:
-    """In-place fp32 all-reduce of ``tensors`` (coalesced into one vector)."""
-    flat, in_place = _flat(tensors)
-    premultiply([flat], reduction)
+    """In-place all-reduce of ``tensors`` (one dtype of :data:`WIRE`, coalesced into one vector)."""
+    dtype = tensors[0].dtype
+    if dtype == torch.float32:
+        flat, in_place = _flat(tensors)
+        premultiply([flat], reduction)
+    else:
+        flat, in_place = _widened(ctx, tensors, reduction), False
     if ctx.size > 1:
-        run_all_reduce(ctx.group, flat, _PLAIN)
-    if reduction.kind == RedOp.AVG:
+        op, transport = _begin(ctx, name)
+        codec, chunking = _summing(transport, dtype)
+        transport.all_reduce(op, flat, codec, chunking)
+    average = reduction.kind == RedOp.AVG
+    if average and dtype == torch.float32:
         flat.div_(ctx.size)
     if not in_place:
         _scatter_back(flat, tensors)
+    if average and dtype != torch.float32:  # the rounded sum, divided in its dtype (gloo's)
+        for t in tensors:
+            t.div_(ctx.size)
 
 
 def transport_reduce_scatter(
-    ctx: Context, output: torch.Tensor, chunks: Sequence[torch.Tensor], reduction: Reduction
+    ctx: Context,
+    name: str,
+    output: torch.Tensor,
+    chunks: Sequence[torch.Tensor],
+    reduction: Reduction,
 ) -> None:
     """``output`` = this rank's chunk of the reduction of every rank's ``chunks``
     (one chunk per rank, each ``output``'s size)."""
-    flat, callers = _flat(chunks)
-    direct = output.is_contiguous()
-    out = output.detach() if direct else torch.empty_like(output.detach())
-    # Never scale the caller's input; and read it in place only where the
-    # output is this rank's own chunk of it or lies outside it.
-    own = chunks[ctx.group.rank]
-    if callers and (
-        reduction.kind == RedOp.PREMUL_SUM
-        or (_overlaps(out, flat) and out.data_ptr() != own.data_ptr())
-    ):
-        flat = flat.clone()
-    premultiply([flat], reduction)
-    run_reduce_scatter(ctx.group, flat, _PLAIN, out=out.view(-1))
-    if reduction.kind == RedOp.AVG:
+    n, dtype = output.numel(), output.dtype
+    if dtype == torch.float32:
+        flat, callers = _flat(chunks)
+        direct = output.is_contiguous()
+        out = output.detach() if direct else torch.empty(output.shape, dtype=dtype)
+        # Never scale the caller's input; and read it in place only where the
+        # output is this rank's own chunk of it or lies outside it.
+        own = chunks[ctx.group.rank]
+        if callers and (
+            reduction.kind == RedOp.PREMUL_SUM
+            or (_overlaps(out, flat) and out.data_ptr() != own.data_ptr())
+        ):
+            flat = flat.clone()
+        premultiply([flat], reduction)
+    else:
+        flat = _widened(ctx, chunks, reduction)
+        direct, out = False, ctx.group.scratch("backend_sum", n, torch.float32)
+    op, transport = _begin(ctx, name)
+    codec, chunking = _summing(transport, dtype)
+    transport.reduce_scatter(op, flat, codec, _equal(n, ctx.size), out.view(-1), chunking)
+    if reduction.kind == RedOp.AVG and dtype == torch.float32:
         out.div_(ctx.size)
     if not direct:
-        output.copy_(out)
+        output.copy_(out.view(output.shape))
+    if reduction.kind == RedOp.AVG and dtype != torch.float32:
+        output.div_(ctx.size)
 
 
 def transport_all_gather(
-    ctx: Context, outputs: Sequence[torch.Tensor], tensor: torch.Tensor
+    ctx: Context, name: str, outputs: Sequence[torch.Tensor], tensor: torch.Tensor
 ) -> None:
-    """``outputs[r]`` = rank ``r``'s ``tensor`` (all of one size)."""
-    n = tensor.numel()
-    if len(outputs) == 1 and outputs[0].is_contiguous():
+    """``outputs[r]`` = rank ``r``'s ``tensor`` (all of one size and dtype of :data:`WIRE`)."""
+    n, dtype = tensor.numel(), tensor.dtype
+    if dtype == torch.float32 and len(outputs) == 1 and outputs[0].is_contiguous():
         gathered = outputs[0].detach().view(-1)
     else:
-        gathered = torch.empty(n * ctx.size, dtype=torch.float32)
-    mine = tensor.detach().reshape(-1).contiguous()
-    run_all_gather(ctx.group, mine, n * ctx.size, _PLAIN, out=gathered)
+        gathered = ctx.group.scratch("backend_gathered", n * ctx.size, torch.float32)
+    mine = tensor.detach().reshape(-1).contiguous()  # the wire values: its own
+    op, transport = _begin(ctx, name)
+    transport.all_gather(op, mine, WIRE[dtype], _equal(n, ctx.size), gathered, _DEFAULT)
     if len(outputs) == 1:
         if gathered.data_ptr() != outputs[0].data_ptr():
-            outputs[0].copy_(gathered.view_as(outputs[0]))
+            outputs[0].copy_(gathered.view(outputs[0].shape))
         return
     for r, o in enumerate(outputs):
-        o.copy_(gathered[r * n : (r + 1) * n].view_as(o))
+        o.copy_(gathered[r * n : (r + 1) * n].view(o.shape))
+
+
+def transport_broadcast(ctx: Context, name: str, tensor: torch.Tensor, root: int) -> None:
+    """``tensor`` (contiguous) = rank ``root``'s, byte for byte."""
+    if ctx.size > 1:
+        op, transport = _begin(ctx, name)
+        transport.broadcast(op, tensor.detach(), root)
 
 
 # ---------------------------------------------------------------------- gloo
@@ -222,8 +328,8 @@ def on_gloo(ctx: Context, name: str, call: Any, peer: int | None = None) -> None
     ctx.group.wait(op, work, peer)
 
 
-def _refused(name: str, exc: RuntimeError) -> UnsupportedTensorError:
-    return UnsupportedTensorError(
+def _refused(name: str, exc: RuntimeError) -> CollectiveArgumentError:
+    return CollectiveArgumentError(
         f"{name}: {str(exc).strip()}\n- help: the gradhub backend takes what gloo takes on CPU"
     )
 

@@ -13,10 +13,12 @@ Decisions:
   ``_allgather_base``, ``reduce_scatter_single`` / ``_reduce_scatter_base``,
   ``all_to_all_single`` / ``alltoall_base``, and the coalesced forms): torch
   looks up either, by version.
-- A CUDA tensor is an :class:`~gradhub.errors.UnsupportedTensorError` raised
-  from the call itself (gradhub's transports are host memory); it says to use
-  NCCL. (A mixed ``"cpu:gradhub,cuda:nccl"`` group is not possible: torch
-  takes a Python process group as the whole group.)
+- Every method checks its arguments first (:mod:`gradhub.backend.checks`):
+  what gloo would refuse (and a CUDA tensor: gradhub's transports are host
+  memory; use NCCL) is a :class:`~gradhub.errors.CollectiveArgumentError`
+  raised from the call itself, before anything is queued or sent, and the
+  group stays usable. (A mixed ``"cpu:gradhub,cuda:nccl"`` group is not
+  possible: torch takes a Python process group as the whole group.)
 - The group's timeout (``init_process_group(timeout=...)``) bounds every
   operation; a dead or stalled peer fails the work with gradhub's error naming
   the rank, and the group is broken afterwards (later operations raise
@@ -34,10 +36,9 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
 from gradhub.backend import operations as ops
-from gradhub.backend.group_base import GroupBase, Tensors, check_cpu
+from gradhub.backend.group_base import GroupBase, Tensors
 from gradhub.backend.operations import Reduction
 from gradhub.backend.work import GradhubWork, PeerWork
-from gradhub.errors import UnsupportedTensorError
 
 
 class GradhubProcessGroup(GroupBase):
@@ -58,13 +59,19 @@ class GradhubProcessGroup(GroupBase):
         return self._all_reduce("allreduce_coalesced", tensors, Reduction.of(opts.reduceOp))
 
     def _all_reduce(self, name: str, tensors: Tensors, red: Reduction) -> GradhubWork:
-        check_cpu(name, tensors)
+        call = self._call(name)
+        call.tensors(tensors)
+        if name == "allreduce_coalesced":
+            call.same_dtype(tensors)
+        else:
+            call.alike(tensors[1:], tensors[0], "tensor")
+        call.reduction(tensors, red)
         if ops.on_transport(tensors, red):
             return self._submit(
-                name, list(tensors), lambda: ops.transport_all_reduce(self._ctx, tensors, red)
+                name, list(tensors), lambda: ops.transport_all_reduce(self._ctx, name, tensors, red)
             )
 
-        def call(pg: dist.ProcessGroup, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> Any:
+        def gloo(pg: dist.ProcessGroup, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> Any:
             ops.premultiply(outs, red)
             if name == "allreduce_coalesced":  # gloo's allreduce would reduce the list too
                 coalesced = dist.AllreduceCoalescedOptions()
@@ -74,12 +81,23 @@ class GradhubProcessGroup(GroupBase):
             options.reduceOp = red.gloo_op()
             return pg.allreduce(outs, options)
 
-        return self._gloo(name, [], tensors, call)
+        return self._gloo(name, [], tensors, gloo)
 
     # ------------------------------------------------------------- broadcast
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> GradhubWork:
         opts = opts if opts is not None else dist.BroadcastOptions()
-        check_cpu("broadcast", tensors)
+        call = self._call("broadcast")
+        call.tensors(tensors)
+        call.alike(tensors[1:], tensors[0], "tensor")
+        call.root(opts.rootRank, len(tensors), opts.rootTensor)
+        if len(tensors) == 1 and tensors[0].layout == torch.strided:
+            (stand_in,), copied = ops.contiguous(tensors)
+
+            def body() -> None:
+                ops.transport_broadcast(self._ctx, "broadcast", stand_in, opts.rootRank)
+                ops.copy_back(tensors, [stand_in], copied)
+
+            return self._submit("broadcast", list(tensors), body)
         return self._gloo(
             "broadcast",
             [],
@@ -97,34 +115,40 @@ class GradhubProcessGroup(GroupBase):
     ) -> GradhubWork:
         opts = opts if opts is not None else AllgatherOptions()
         flat_out = [t for outs in output_tensors for t in outs]
-        check_cpu("allgather", [*input_tensors, *flat_out])
-        if (
-            len(input_tensors) == 1
-            and ops.on_transport([*input_tensors, *flat_out])
-            and all(o.numel() == input_tensors[0].numel() for o in flat_out)
-        ):
+        call = self._call("allgather")
+        call.tensors(input_tensors)
+        call.tensors(flat_out, empty=True)
+        call.count(output_tensors, len(input_tensors), "the output list")
+        for i, outs in enumerate(output_tensors):
+            call.count(outs, self._size, f"output list {i}")
+            call.alike(outs, input_tensors[i], "output")
+        if len(input_tensors) == 1 and ops.on_transport([*input_tensors, *flat_out]):
             outs, inp = output_tensors[0], input_tensors[0]
             return self._submit(
-                "allgather", flat_out, lambda: ops.transport_all_gather(self._ctx, outs, inp)
+                "allgather",
+                flat_out,
+                lambda: ops.transport_all_gather(self._ctx, "allgather", outs, inp),
             )
         width = len(output_tensors[0]) if output_tensors else 0
 
-        def call(pg: dist.ProcessGroup, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> Any:
+        def gloo(pg: dist.ProcessGroup, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> Any:
             nested = [outs[i * width : (i + 1) * width] for i in range(len(output_tensors))]
             return pg.allgather(nested, ins, opts)
 
-        return self._gloo("allgather", input_tensors, flat_out, call)
+        return self._gloo("allgather", input_tensors, flat_out, gloo)
 
     def all_gather_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> GradhubWork:
         opts = opts if opts is not None else AllgatherOptions()
-        check_cpu("all_gather_single", [output, input])
-        if ops.on_transport([output, input]) and output.numel() == input.numel() * self._size:
+        call = self._call("all_gather_single")
+        call.tensors([output, input])
+        call.concatenated(output, input, "the output")
+        if ops.on_transport([output, input]):
             return self._submit(
                 "all_gather_single",
                 [output],
-                lambda: ops.transport_all_gather(self._ctx, [output], input),
+                lambda: ops.transport_all_gather(self._ctx, "all_gather_single", [output], input),
             )
         return self._gloo(
             "all_gather_single",
@@ -142,6 +166,14 @@ class GradhubProcessGroup(GroupBase):
         opts: Any = None,
     ) -> GradhubWork:
         """``output_lists[r][i]`` = rank ``r``'s ``input_list[i]``."""
+        call = self._call("allgather_coalesced")
+        call.tensors(input_list)
+        call.count(output_lists, self._size, "the output list")
+        for r, outs in enumerate(output_lists):
+            call.tensors(outs)
+            call.count(outs, len(input_list), f"output list {r}")
+            for i, (o, t) in enumerate(zip(outs, input_list, strict=True)):
+                call.fits(o, t, f"output {i} of rank {r}")
         works = [
             self.allgather([[outs[i] for outs in output_lists]], [t], opts)
             for i, t in enumerate(input_list)
@@ -151,6 +183,11 @@ class GradhubProcessGroup(GroupBase):
     def all_gather_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> GradhubWork:
+        call = self._call("all_gather_single_coalesced")
+        call.count(outputs, len(inputs), "the output list")
+        for o, i in zip(outputs, inputs, strict=True):
+            call.tensors([o, i])
+            call.concatenated(o, i, "an output")
         works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
         return self._after("all_gather_single_coalesced", works, list(outputs))
 
@@ -166,21 +203,24 @@ class GradhubProcessGroup(GroupBase):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         red = Reduction.of(opts.reduceOp)
         flat_in = [t for ins in input_tensors for t in ins]
-        check_cpu("reduce_scatter", [*output_tensors, *flat_in])
-        if (
-            len(output_tensors) == 1
-            and ops.on_transport([*output_tensors, *flat_in], red)
-            and all(t.numel() == output_tensors[0].numel() for t in flat_in)
-        ):
+        call = self._call("reduce_scatter")
+        call.tensors(output_tensors)
+        call.tensors(flat_in, empty=True)
+        call.count(input_tensors, len(output_tensors), "the input list")
+        for i, ins in enumerate(input_tensors):
+            call.count(ins, self._size, f"input list {i}")
+            call.alike(ins, output_tensors[i], "input")
+        call.reduction(output_tensors, red)
+        if len(output_tensors) == 1 and ops.on_transport([*output_tensors, *flat_in], red):
             out, chunks = output_tensors[0], input_tensors[0]
             return self._submit(
                 "reduce_scatter",
                 [out],
-                lambda: ops.transport_reduce_scatter(self._ctx, out, chunks, red),
+                lambda: ops.transport_reduce_scatter(self._ctx, "reduce_scatter", out, chunks, red),
             )
         width = len(input_tensors[0]) if input_tensors else 0
 
-        def call(pg: dist.ProcessGroup, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> Any:
+        def gloo(pg: dist.ProcessGroup, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> Any:
             ins = [t.clone() for t in ins] if red.kind == ops.RedOp.PREMUL_SUM else ins
             ops.premultiply(ins, red)
             options = dist.ReduceScatterOptions()
@@ -188,36 +228,47 @@ class GradhubProcessGroup(GroupBase):
             nested = [ins[i * width : (i + 1) * width] for i in range(len(input_tensors))]
             return pg.reduce_scatter(outs, nested, options)
 
-        return self._gloo("reduce_scatter", flat_in, output_tensors, call)
+        return self._gloo("reduce_scatter", flat_in, output_tensors, gloo)
 
     def reduce_scatter_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> GradhubWork:
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         red = Reduction.of(opts.reduceOp)
-        check_cpu("reduce_scatter_single", [output, input])
-        if ops.on_transport([output, input], red) and input.numel() == output.numel() * self._size:
+        name = "reduce_scatter_single"
+        call = self._call(name)
+        call.tensors([output, input])
+        call.concatenated(input, output, "the input")
+        call.reduction([output], red)
+        if ops.on_transport([output, input], red):
             chunks = list(input.reshape(-1).chunk(self._size))
             return self._submit(
-                "reduce_scatter_single",
+                name,
                 [output],
-                lambda: ops.transport_reduce_scatter(self._ctx, output, chunks, red),
+                lambda: ops.transport_reduce_scatter(self._ctx, name, output, chunks, red),
             )
 
-        def call(pg: dist.ProcessGroup, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> Any:
+        def gloo(pg: dist.ProcessGroup, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> Any:
             source = ins[0].clone() if red.kind == ops.RedOp.PREMUL_SUM else ins[0]
             ops.premultiply([source], red)
             options = dist.ReduceScatterOptions()
             options.reduceOp = red.gloo_op()
             return pg._reduce_scatter_base(outs[0], source, options)
 
-        return self._gloo("reduce_scatter_single", [input], [output], call)
+        return self._gloo(name, [input], [output], gloo)
 
     _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
 
     def reduce_scatter_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> GradhubWork:
+        call = self._call("reduce_scatter_single_coalesced")
+        call.count(inputs, len(outputs), "the input list")
+        red = Reduction.of((opts if opts is not None else dist.ReduceScatterOptions()).reduceOp)
+        for o, i in zip(outputs, inputs, strict=True):
+            call.tensors([o, i])
+            call.concatenated(i, o, "an input")
+            call.reduction([o], red)
         works = [
             self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)
         ]
@@ -235,7 +286,17 @@ class GradhubProcessGroup(GroupBase):
         opts: Any = None,
     ) -> GradhubWork:
         opts = opts if opts is not None else dist.AllToAllOptions()
-        check_cpu("all_to_all_single", [output, input])
+        call = self._call("all_to_all_single")
+        call.tensors([output, input])
+        call.same_dtype([output, input])
+        if output_split_sizes or input_split_sizes:
+            call.splits(output_split_sizes, output, "the output")
+            call.splits(input_split_sizes, input, "the input")
+        elif output.numel() != input.numel():
+            raise call.refuse(
+                f"the output has {output.numel()} elements and the input {input.numel()}",
+                "without split sizes both have the same number of elements",
+            )
         return self._gloo(
             "all_to_all_single",
             [input],
@@ -254,7 +315,11 @@ class GradhubProcessGroup(GroupBase):
         opts: Any = None,
     ) -> GradhubWork:
         opts = opts if opts is not None else dist.AllToAllOptions()
-        check_cpu("alltoall", [*output_tensors, *input_tensors])
+        call = self._call("alltoall")
+        call.tensors([*output_tensors, *input_tensors])
+        call.count(input_tensors, self._size, "the input list")
+        call.count(output_tensors, self._size, "the output list")
+        call.same_dtype([*output_tensors, *input_tensors])
         return self._gloo(
             "alltoall",
             input_tensors,
@@ -270,16 +335,20 @@ class GradhubProcessGroup(GroupBase):
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> GradhubWork:
         opts = opts if opts is not None else dist.ReduceOptions()
         red = Reduction.of(opts.reduceOp)
-        check_cpu("reduce", tensors)
+        call = self._call("reduce")
+        call.tensors(tensors)
+        call.alike(tensors[1:], tensors[0], "tensor")
+        call.root(opts.rootRank, len(tensors), opts.rootTensor)
+        call.reduction(tensors, red)
 
-        def call(pg: dist.ProcessGroup, _: list[torch.Tensor], outs: list[torch.Tensor]) -> Any:
+        def gloo(pg: dist.ProcessGroup, _: list[torch.Tensor], outs: list[torch.Tensor]) -> Any:
             ops.premultiply(outs, red)
             options = dist.ReduceOptions()
             options.reduceOp = red.gloo_op()
             options.rootRank, options.rootTensor = opts.rootRank, opts.rootTensor
             return pg.reduce(outs, options)
 
-        return self._gloo("reduce", [], tensors, call, peer=opts.rootRank)
+        return self._gloo("reduce", [], tensors, gloo, peer=opts.rootRank)
 
     def gather(
         self,
@@ -289,14 +358,22 @@ class GradhubProcessGroup(GroupBase):
     ) -> GradhubWork:
         opts = opts if opts is not None else dist.GatherOptions()
         flat_out = [t for outs in output_tensors for t in outs]
-        check_cpu("gather", [*input_tensors, *flat_out])
+        call = self._call("gather")
+        call.tensors(input_tensors)
+        call.tensors(flat_out, empty=True)
+        call.root(opts.rootRank)
+        call.count(input_tensors, 1, "the input list")
+        call.count(output_tensors, 1 if self._rank == opts.rootRank else 0, "the output list")
+        for outs in output_tensors:
+            call.count(outs, self._size, "the root's output list")
+            call.alike(outs, input_tensors[0], "output")
         width = len(output_tensors[0]) if output_tensors else 0
 
-        def call(pg: dist.ProcessGroup, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> Any:
+        def gloo(pg: dist.ProcessGroup, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> Any:
             nested = [outs[i * width : (i + 1) * width] for i in range(len(output_tensors))]
             return pg.gather(nested, ins, opts)
 
-        return self._gloo("gather", input_tensors, flat_out, call, peer=opts.rootRank)
+        return self._gloo("gather", input_tensors, flat_out, gloo, peer=opts.rootRank)
 
     def scatter(
         self,
@@ -306,32 +383,41 @@ class GradhubProcessGroup(GroupBase):
     ) -> GradhubWork:
         opts = opts if opts is not None else dist.ScatterOptions()
         flat_in = [t for ins in input_tensors for t in ins]
-        check_cpu("scatter", [*output_tensors, *flat_in])
+        call = self._call("scatter")
+        call.tensors(output_tensors)
+        call.tensors(flat_in, empty=True)
+        call.root(opts.rootRank)
+        call.count(output_tensors, 1, "the output list")
+        call.count(input_tensors, 1 if self._rank == opts.rootRank else 0, "the input list")
+        for ins in input_tensors:
+            call.count(ins, self._size, "the root's input list")
+            call.alike(ins, output_tensors[0], "input")
         width = len(input_tensors[0]) if input_tensors else 0
 
-        def call(pg: dist.ProcessGroup, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> Any:
+        def gloo(pg: dist.ProcessGroup, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> Any:
             nested = [ins[i * width : (i + 1) * width] for i in range(len(input_tensors))]
             return pg.scatter(outs, nested, opts)
 
-        return self._gloo("scatter", flat_in, output_tensors, call, peer=opts.rootRank)
+        return self._gloo("scatter", flat_in, output_tensors, gloo, peer=opts.rootRank)
 
     # -------------------------------------------------------- point to point
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
-        check_cpu("send", tensors)
+        self._call("send").tensors(tensors)
         work = self._p2p.send([t.contiguous() for t in tensors], dst, tag)
         return PeerWork(work, "send", self._rank, dst, self._timeout)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Any:
-        check_cpu("recv", tensors)
+        call = self._call("recv")
+        call.tensors(tensors)
         for t in tensors:
             if not t.is_contiguous():
-                raise UnsupportedTensorError(
-                    "recv: the tensor to receive into must be contiguous\n"
-                    "- help: receive into t.contiguous() and copy it where it belongs"
+                raise call.refuse(
+                    "the tensor to receive into must be contiguous",
+                    "receive into t.contiguous() and copy it where it belongs",
                 )
         return PeerWork(self._p2p.recv(tensors, src, tag), "recv", self._rank, src, self._timeout)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Any:
-        check_cpu("recv", tensors)
+        self._call("recv").tensors(tensors)
         work = self._p2p.recv_anysource(tensors, tag)
         return PeerWork(work, "recv", self._rank, None, self._timeout)
