@@ -188,6 +188,12 @@ class UnsupportedTensorError(GradhubError, ValueError):
     message says what to use instead."""
 
 
+class NotPreparedError(GradhubError, TypeError):
+    """A function that takes the model :func:`gradhub.prepare` returned (or
+    ``torch.compile`` of it) was given another object; the message says what
+    to pass instead."""
+
+
 class CollectiveArgumentError(UnsupportedTensorError, RuntimeError):
     """An operation of the ``"gradhub"`` torch.distributed backend refused its
     arguments on the calling rank, from the call itself and before anything was

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -281,6 +282,7 @@ def misuse_and_uneven(rank: int, world: int, servers: dict[str, str]) -> dict[st
         out = {
             "uneven": _uneven(rank, runtime, servers),
             "clip ps-async": _clip_per_worker(rank, runtime, servers["ps-async"]),
+            "clip compiled": _clip_compiled(rank, runtime),
         }
         out["misuse"] = {
             s: _misuse(rank, runtime, s, servers.get(s))
@@ -334,6 +336,31 @@ def _clip_per_worker(rank: int, runtime: Any, server: str) -> dict[str, float]:
         after = _grad_norm(model.module)
         opt.step()
     return {"own": own, "norm": norm, "after": after}
+
+
+def compiled(model: nn.Module) -> nn.Module:
+    """``torch.compile(model)``: the wrapper only, nothing is compiled until it
+    is called. (torch's first ``torch.compile`` imports modules that warn about
+    ``torch.jit`` deprecations: torch's own warning, not this code's.)"""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return torch.compile(model)  # type: ignore[return-value]
+
+
+def _clip_compiled(rank: int, runtime: Any) -> dict[str, float]:
+    """gradhub.clip_grad_norm_ of ``torch.compile`` of the prepared model (the
+    wrapper is made without compiling anything: the model is never called
+    through it here)."""
+    base = mlp()
+    model, opt = gradhub.prepare(base, make_optimizer("sgd", base), runtime=runtime)
+    with model:
+        x, y = batch("mlp", 0, 0, rank, n=3 + 3 * rank)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        combined = _grad_norm(model.module)
+        norm = float(gradhub.clip_grad_norm_(compiled(model), 0.05))
+        after = _grad_norm(model.module)
+    return {"combined": combined, "norm": norm, "after": after}
 
 
 def uneven_reference() -> list[np.ndarray]:

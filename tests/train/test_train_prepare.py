@@ -11,11 +11,12 @@ import pytest
 import torch
 
 import gradhub
-from gradhub.errors import OptimizerMismatchError
+from gradhub.errors import NotPreparedError, OptimizerMismatchError
 from gradhub.ps.config import ServerConfig
 from gradhub.ps.launch import ServerHandle, start_server
 from harness import run_ranks
 from prepare_jobs import (
+    compiled,
     fit_sharded,
     from_bytes,
     misuse_and_uneven,
@@ -199,6 +200,27 @@ def test_clip_under_ps_async_is_per_worker(misuse_and_uneven_results: list[Any])
         assert s["norm"] == pytest.approx(s["own"], rel=1e-6)
         assert s["own"] > 0.05 and s["after"] == pytest.approx(0.05, rel=1e-4)
     assert seen[0]["norm"] != pytest.approx(seen[1]["norm"], rel=1e-3)  # not one global norm
+
+
+def test_clip_takes_the_compiled_prepared_model(misuse_and_uneven_results: list[Any]) -> None:
+    seen = [r.value["clip compiled"] for r in misuse_and_uneven_results]
+    for s in seen:
+        # allreduce: .grad holds the combined gradient, the same bits on every rank.
+        assert s["norm"] == seen[0]["norm"]
+        assert s["norm"] == pytest.approx(s["combined"], rel=1e-6)
+        assert s["combined"] > 0.05 and s["after"] == pytest.approx(0.05, rel=1e-4)
+
+
+@pytest.mark.parametrize("given", ["module", "compiled module", "str"])
+def test_clip_of_an_unprepared_model_says_what_to_pass(given: str) -> None:
+    model: Any = "model" if given == "str" else torch.nn.Linear(2, 2)
+    model = compiled(model) if given == "compiled module" else model
+    with pytest.raises(NotPreparedError) as err:
+        gradhub.clip_grad_norm_(model, 1.0)
+    assert isinstance(err.value, TypeError)
+    text = str(err.value)
+    assert "takes the model gradhub.prepare returned (or torch.compile of it)" in text
+    assert "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)" in text
 
 
 def test_set_samples_weights_uneven_batches_exactly(misuse_and_uneven_results: list[Any]) -> None:

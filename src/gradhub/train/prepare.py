@@ -56,7 +56,7 @@ from typing import Any, overload
 import torch
 import torch.distributed as dist
 
-from gradhub.errors import ReplicasDivergedError
+from gradhub.errors import NotPreparedError, ReplicasDivergedError
 from gradhub.runtime import Runtime, init
 from gradhub.train.ddp_options import KEYWORDS, split_ddp_options
 from gradhub.train.distributed_optimizer import DistributedOptimizer
@@ -137,21 +137,36 @@ def prepare(
     return PreparedModel(model, impl), prepared if several else prepared[0]
 
 
-def _strategy_of(model: Any) -> Strategy:
-    if not isinstance(model, PreparedModel):
-        raise TypeError("expected the model gradhub.prepare returned")
-    return model.strategy
+def _strategy_of(model: Any, caller: str) -> Strategy:
+    """The strategy of a prepared model, also seen through ``torch.compile``'s
+    wrapper (an ``OptimizedModule``, whose ``_orig_mod`` is the prepared model)."""
+    inner = model
+    while not isinstance(inner, PreparedModel) and isinstance(inner, torch.nn.Module):
+        inner = getattr(inner, "_orig_mod", None)
+    if not isinstance(inner, PreparedModel):
+        raise NotPreparedError(
+            f"{caller} takes the model gradhub.prepare returned (or torch.compile of it), "
+            f"got {type(model).__name__}\n"
+            "- help: pass the model gradhub.prepare returned; or clip with torch's "
+            "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm), which works on "
+            "it too under allreduce, sharded and ps-sync"
+        )
+    return inner.strategy
 
 
-def clip_grad_norm_(model: PreparedModel, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm_(
+    model: PreparedModel | torch.nn.Module, max_norm: float, norm_type: float = 2.0
+) -> torch.Tensor:
     """Clip the gradients of a prepared model by their global norm; returns the norm.
 
-    Call it between ``backward`` and ``optimizer.step()``, as
+    ``model``: what :func:`prepare` returned, or ``torch.compile`` of it. Call
+    it between ``backward`` and ``optimizer.step()``, as
     ``torch.nn.utils.clip_grad_norm_``. Under ``ps-async``/``ps-ssp`` the norm
     is this worker's own gradient's and each worker clips its own (no global
     gradient exists there; see the module docstring).
     """
-    return _strategy_of(model).clip_grad_norm_(float(max_norm), float(norm_type))
+    strategy = _strategy_of(model, "gradhub.clip_grad_norm_")
+    return strategy.clip_grad_norm_(float(max_norm), float(norm_type))
 
 
 def check_in_sync(model: PreparedModel | torch.nn.Module, runtime: Runtime | None = None) -> None:
