@@ -155,7 +155,7 @@ def test_sync_wait_timeout_names_the_workers_it_waits_for() -> None:
             a.pull("w", torch.zeros(1)).result(10)
         assert time.monotonic() - start < 8
         assert "sync round 0 of 'w'" in str(err.value)
-        assert "1 worker(s) that never pushed" in str(err.value)
+        assert "1 worker that never pushed: 1 worker never heard from" in str(err.value)
         assert server.address in str(err.value)
 
 

@@ -13,6 +13,7 @@ import zmq
 
 from gradhub import GradhubTimeoutError, RemoteParameterServer, ServerConfig, start_server
 from gradhub.ps import protocol
+from gradhub.ps.consistency import Consistency
 from gradhub.ps.protocol import Header, Op, Status
 
 
@@ -94,5 +95,20 @@ def test_a_wait_that_times_out_names_the_ids_it_waits_for(mode: str) -> None:
         with pytest.raises(GradhubTimeoutError) as err:
             a.pull("w", torch.zeros(1)).result(10)
     text = str(err.value)
-    assert "1 worker(s) that never pushed: worker(s) 5 (heard from, never pushed)" in text
-    assert "the server waits for 3; worker(s) that pushed: 0, 1" in text
+    assert "1 worker that never pushed: worker 5 (heard from, never pushed)" in text
+    assert "the server waits for 3 workers; pushed so far: workers 0, 1" in text
+
+
+def test_workers_never_heard_from_are_a_count_not_an_id() -> None:
+    # The server cannot know the ids of workers that never spoke: it counts
+    # them, in words that cannot be read as an id.
+    waits = Consistency("sync", workers=4)
+    waits.seen(0, pushing=True)
+    waits.seen(2)
+    text = waits.waiting_for(0, "w")
+    assert "3 workers that never pushed: worker 2 (heard from, never pushed) and " in text
+    assert "2 workers never heard from (the server waits for 4 workers; " in text
+    assert "pushed so far: worker 0)" in text
+    alone = Consistency("ssp", workers=2)
+    alone.seen(0, pushing=True)
+    assert "1 worker that never pushed: 1 worker never heard from" in alone.waiting_for(0, "w")

@@ -198,12 +198,12 @@ class Consistency:
             return ""
         quiet = sorted(self.heard - self.registered)
         unknown = max(0, unjoined - len(quiet))
-        parts = [f"worker(s) {_ids(quiet)} (heard from, never pushed)"] if quiet else []
-        parts += [f"{unknown} never heard from"] if unknown else []
-        pushed = _ids(sorted(self.registered)) or "none"
+        parts = [f"{_named(quiet)} (heard from, never pushed)"] if quiet else []
+        parts += [f"{_counted(unknown)} never heard from"] if unknown else []
+        pushed = _named(sorted(self.registered)) if self.registered else "none"
         return (
-            f"{unjoined} worker(s) that never pushed: {' and '.join(parts)} (the server "
-            f"waits for {self.workers}; worker(s) that pushed: {pushed})"
+            f"{_counted(unjoined)} that never pushed: {' and '.join(parts)} (the server "
+            f"waits for {_counted(self.workers)}; pushed so far: {pushed})"
         )
 
     def tracked_keys(self) -> list[str]:
@@ -248,3 +248,13 @@ class Consistency:
 
 def _ids(workers: list[int]) -> str:
     return ", ".join(str(w) for w in workers)
+
+
+def _named(workers: list[int]) -> str:
+    """Worker ids in words: ``worker 5``, ``workers 0, 1``."""
+    return f"worker{'s' if len(workers) != 1 else ''} {_ids(workers)}"
+
+
+def _counted(n: int) -> str:
+    """A number of workers in words (``1 worker``, ``3 workers``), never an id."""
+    return f"{n} worker{'s' if n != 1 else ''}"
