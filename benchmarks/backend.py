@@ -14,6 +14,12 @@ machine inflates far less than the wall time. This machine's one-thread copy
 bandwidth and load are recorded.
 Goals: all-reduce <= 0.5x gloo from 4M elements up; DDP step <= 0.8x.
 
+bf16 rows: ``dist.all_reduce`` of bf16 tensors of the same sizes, timed the
+same way beside gloo's bf16 all-reduce (gradhub sends bf16 and sums in fp32;
+gloo sums in bf16). ``--rows all_reduce --merge`` times the all-reduces only
+and keeps the recorded rows it does not time (the table says which rows came
+from which run); ``--sizes`` (millions of elements) and ``--dtypes`` pick them.
+
 Floors, timed in the same rounds (both ranks at once, as in the real step,
 since they share the cores): ``local step``, the same forward, backward and
 SGD step on the plain model, no DDP, no communication; ``DDP step, no
@@ -23,16 +29,19 @@ the least any backend could reach: a backend adds its all-reduce's CPU work
 to the second on a machine whose cores the backward already fills.
 
     python benchmarks/backend.py --rounds 5
+    python benchmarks/backend.py --rounds 5 --rows all_reduce --dtypes bf16 --sizes 1,4 --merge
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,6 +52,8 @@ import gradhub  # noqa: F401  (registers the backend)
 from _common import RESULTS, machine_note, rank_zero_result, spread, write_results
 
 SIZES = [1 << 20, 4 << 20, 25 << 20]
+DTYPES = {"fp32": ("", torch.float32), "bf16": (" bf16", torch.bfloat16)}
+"""The all-reduce dtypes (``--dtypes``): each one's row name suffix and dtype."""
 BACKENDS = ["gradhub", "gloo"]
 FLOORS = ["local step", "DDP step, no communication"]
 CPU = "[CPU s of rank 0's process]"
@@ -98,7 +109,17 @@ def _unchanged(state, bucket):  # type: ignore[no-untyped-def]
     return future
 
 
-def rank_main(rank: int, port: int, rounds: int, reps: int, steps: int, queue: Any) -> None:
+def rank_main(
+    rank: int,
+    port: int,
+    rounds: int,
+    reps: int,
+    steps: int,
+    sizes: list[int],
+    dtypes: list[str],
+    with_steps: bool,
+    queue: Any,
+) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gradhub",
@@ -111,33 +132,37 @@ def rank_main(rank: int, port: int, rounds: int, reps: int, steps: int, queue: A
     from torch.distributed.fsdp import fully_shard
 
     groups = {"gradhub": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
-    tensors = {n: torch.ones(n) for n in SIZES}
-    ddp = {b: _stepper(DDP(_mlp(), process_group=groups[b]), rank) for b in BACKENDS}
-    silent = DDP(_mlp(), process_group=groups["gloo"])
-    silent.register_comm_hook(None, _unchanged)
-    floors = {
-        "local step": _stepper(_mlp(), rank),
-        "DDP step, no communication": _stepper(silent, rank),
+    tensors = {
+        f"all_reduce {n >> 20}M{DTYPES[d][0]}": torch.ones(n, dtype=DTYPES[d][1])
+        for d in dtypes
+        for n in sizes
     }
-    fsdp = {}
-    for b in BACKENDS:
-        model = _mlp()
-        mesh = DeviceMesh.from_group(groups[b], "cpu")
-        for layer in model:
-            if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        fsdp[b] = _stepper(model, rank)
+    ddp, fsdp, floors = {}, {}, {}
+    if with_steps:
+        ddp = {b: _stepper(DDP(_mlp(), process_group=groups[b]), rank) for b in BACKENDS}
+        silent = DDP(_mlp(), process_group=groups["gloo"])
+        silent.register_comm_hook(None, _unchanged)
+        floors = {
+            "local step": _stepper(_mlp(), rank),
+            "DDP step, no communication": _stepper(silent, rank),
+        }
+        for b in BACKENDS:
+            model = _mlp()
+            mesh = DeviceMesh.from_group(groups[b], "cpu")
+            for layer in model:
+                if isinstance(layer, torch.nn.Linear):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            fsdp[b] = _stepper(model, rank)
     samples: dict[str, dict[str, list[float]]] = {}
     for r in range(rounds):
         order = BACKENDS if r % 2 == 0 else BACKENDS[::-1]
         for b in order:
             g = groups[b]
-            for n, t in tensors.items():
-                key = f"all_reduce {n >> 20}M"
+            for key, t in tensors.items():
                 seconds = _timed(lambda t=t, g=g: dist.all_reduce(t, group=g), reps, g)
                 samples.setdefault(key, {}).setdefault(b, []).append(seconds)
-            for key, table in (("DDP step", ddp), ("FSDP2 step", fsdp)):
+            for key, table in (("DDP step", ddp), ("FSDP2 step", fsdp)) if with_steps else ():
                 seconds, cpu = _timed_cpu(table[b], steps, g)
                 samples.setdefault(key, {}).setdefault(b, []).append(seconds)
                 samples.setdefault(f"{key} {CPU}", {}).setdefault(b, []).append(cpu)
@@ -167,6 +192,21 @@ def _report(samples: dict[str, dict[str, list[float]]], rounds: int) -> dict[str
     return {"rounds": rounds, "world_size": 2, "machine": machine_note(), "rows": rows}
 
 
+def _merged(report: dict[str, Any], recorded: Path) -> dict[str, Any]:
+    """The recorded report with this run's rows in place of its own, and this run
+    listed among the partial runs (rows, rounds, machine) the table names."""
+    if not recorded.exists():
+        return report
+    old = json.loads(recorded.read_text())
+    partial = [p for p in old.get("partial_runs", []) if not set(p["rows"]) <= set(report["rows"])]
+    run = {k: report[k] for k in ("rounds", "machine")}
+    return {
+        **old,
+        "rows": {**old["rows"], **report["rows"]},
+        "partial_runs": [*partial, {"rows": list(report["rows"]), **run}],
+    }
+
+
 def _markdown(report: dict[str, Any]) -> str:
     m = report["machine"]
     lines = [
@@ -178,12 +218,23 @@ def _markdown(report: dict[str, Any]) -> str:
         "| operation | gradhub (median s) | gloo (median s) | ratio median | ratio min-max |",
         "|---|---|---|---|---|",
     ]
-    for key, row in report["rows"].items():
-        r = row["ratio"]
+    partial = report.get("partial_runs", [])
+    marks = {key: "*" * (i + 1) for i, run in enumerate(partial) for key in run["rows"]}
+    rows = report["rows"]
+    for key in sorted(rows, key=lambda k: not k.startswith("all_reduce")):  # stable
+        row, r = rows[key], rows[key]["ratio"]
         lines.append(
-            f"| {key} | {row['gradhub_s']['median']:.4f} | {row['gloo_s']['median']:.4f} "
-            f"| {r['median']:.2f}x | {r['min']:.2f}-{r['max']:.2f}x |"
+            f"| {key}{marks.get(key, '')} | {row['gradhub_s']['median']:.4f} "
+            f"| {row['gloo_s']['median']:.4f} | {r['median']:.2f}x "
+            f"| {r['min']:.2f}-{r['max']:.2f}x |"
         )
+    for i, run in enumerate(partial):
+        lines += [
+            "",
+            f"{'*' * (i + 1)} From a separate run of these rows only: {run['rounds']} rounds, "
+            f"copy bandwidth {run['machine']['copy_GBps_median']:.1f} GB/s, load average "
+            f"{run['machine']['loadavg']}.",
+        ]
     step = report["rows"].get("DDP step", {})
     cpu = report["rows"].get(f"DDP step {CPU}", {})
     floors = [(f, step[f]) for f in FLOORS if f in step]
@@ -212,11 +263,31 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--reps", type=int, default=5, help="timed all-reduces per round")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per round")
+    parser.add_argument(
+        "--sizes", default="1,4,25", help="all-reduce sizes, millions of elements (1M = 2**20)"
+    )
+    parser.add_argument("--dtypes", default="fp32,bf16", help="all-reduce dtypes: fp32, bf16")
+    parser.add_argument(
+        "--rows", choices=["all", "all_reduce"], default="all", help="all_reduce: no steps"
+    )
+    parser.add_argument(
+        "--merge", action="store_true", help="keep the recorded rows this run does not time"
+    )
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    samples = rank_zero_result(rank_main, 2, args.rounds, args.reps, args.steps)
+    sizes = [int(m) << 20 for m in args.sizes.split(",")]
+    dtypes = args.dtypes.split(",")
+    unknown = set(dtypes) - set(DTYPES)
+    if unknown:
+        parser.error(f"--dtypes: unknown {', '.join(sorted(unknown))}; choose from fp32, bf16")
+    with_steps = args.rows == "all"
+    samples = rank_zero_result(
+        rank_main, 2, args.rounds, args.reps, args.steps, sizes, dtypes, with_steps
+    )
     report = _report(samples, args.rounds)
+    if args.merge:
+        report = _merged(report, Path(args.out) / "backend.json")
     write_results(args.out, "backend", report, _markdown(report))
     print(_markdown(report))
 
