@@ -229,11 +229,12 @@ def _markdown(report: dict[str, Any]) -> str:
             f"| {r['min']:.2f}-{r['max']:.2f}x |"
         )
     for i, run in enumerate(partial):
+        machine = run["machine"]
         lines += [
             "",
-            f"{'*' * (i + 1)} From a separate run of these rows only: {run['rounds']} rounds, "
-            f"copy bandwidth {run['machine']['copy_GBps_median']:.1f} GB/s, load average "
-            f"{run['machine']['loadavg']}.",
+            f"Rows marked {'*' * (i + 1)}: a separate run of these rows only, "
+            f"{run['rounds']} rounds, copy bandwidth {machine['copy_GBps_median']:.1f} GB/s, "
+            f"load average {machine['loadavg']}.",
         ]
     step = report["rows"].get("DDP step", {})
     cpu = report["rows"].get(f"DDP step {CPU}", {})
