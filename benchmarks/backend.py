@@ -29,7 +29,16 @@ the least any backend could reach: a backend adds its all-reduce's CPU work
 to the second on a machine whose cores the backward already fills.
 
     python benchmarks/backend.py --rounds 5
+Sleeping rows (``--rows sleeping``, and in ``all``): DDP with 16 MB buckets
+on each backend over a model whose backward leaves the CPU idle
+(:mod:`_sleeping`: six 16 MB blocks, 10 ms of sleep each, as the host waits
+for a GPU), beside the same step with no communication and each backend's
+bucket all-reduces alone; per round the score ``step / max(compute,
+communication)`` (1.0: communication hidden behind the backward).
+
+    python benchmarks/backend.py --rounds 5
     python benchmarks/backend.py --rounds 5 --rows all_reduce --dtypes bf16 --sizes 1,4 --merge
+    python benchmarks/backend.py --rounds 5 --rows sleeping --merge
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import _sleeping
 import gradhub  # noqa: F401  (registers the backend)
 from _common import RESULTS, machine_note, rank_zero_result, spread, write_results
 
@@ -118,6 +128,7 @@ def rank_main(
     sizes: list[int],
     dtypes: list[str],
     with_steps: bool,
+    sleeping: bool,
     queue: Any,
 ) -> None:
     torch.set_num_threads(1)
@@ -154,7 +165,20 @@ def rank_main(
                     fully_shard(layer, mesh=mesh)
             fully_shard(model, mesh=mesh)
             fsdp[b] = _stepper(model, rank)
+    asleep: dict[str, Callable[[], None]] = {}
+    if sleeping:
+        x = _sleeping.batch()
+        for b in BACKENDS:
+            net = DDP(_sleeping.model(), process_group=groups[b], bucket_cap_mb=_sleeping.BUCKET_MB)
+            opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+            asleep[f"step {b}"] = _sleeping.loop_step(net, opt, x)
+            asleep[f"communication {b}"] = _sleeping.buckets_reduced(
+                lambda t, g=groups[b]: dist.all_reduce(t, group=g, async_op=True)
+            )
+        local = _sleeping.model()
+        asleep["compute"] = _sleeping.loop_step(local, torch.optim.SGD(local.parameters()), x)
     samples: dict[str, dict[str, list[float]]] = {}
+    sleeping_times: dict[str, list[float]] = {}
     for r in range(rounds):
         order = BACKENDS if r % 2 == 0 else BACKENDS[::-1]
         for b in order:
@@ -166,13 +190,31 @@ def rank_main(
                 seconds, cpu = _timed_cpu(table[b], steps, g)
                 samples.setdefault(key, {}).setdefault(b, []).append(seconds)
                 samples.setdefault(f"{key} {CPU}", {}).setdefault(b, []).append(cpu)
+            for what in ("step", "communication") if sleeping else ():
+                seconds = _timed(asleep[f"{what} {b}"], steps, g)
+                sleeping_times.setdefault(f"{what} {b}", []).append(seconds)
+        if sleeping:
+            seconds = _timed(asleep["compute"], steps, groups["gloo"])
+            sleeping_times.setdefault("compute", []).append(seconds)
         for key, fn in floors.items():  # between the backends, alternating with them
             seconds, cpu = _timed_cpu(fn, steps, groups["gloo"])
             samples.setdefault("DDP step", {}).setdefault(key, []).append(seconds)
             samples.setdefault(f"DDP step {CPU}", {}).setdefault(key, []).append(cpu)
     if rank == 0:
-        queue.put(samples)
+        queue.put((samples, sleeping_times))
     dist.destroy_process_group()
+
+
+def _sleeping_rows(times: dict[str, list[float]]) -> dict[str, Any]:
+    """Per backend: its DDP step's score against max(compute, its communication)."""
+    links = {f"step {b}": f"communication {b}" for b in BACKENDS}
+    scores = _sleeping.scores(times, "compute", links)
+    rows: dict[str, Any] = {name: {"s": spread(t)} for name, t in times.items()}
+    for name, per_round in scores.items():
+        rows[name]["score"] = spread(per_round)
+    gap = [a - b for a, b in zip(scores["step gradhub"], scores["step gloo"], strict=True)]
+    rows["step gradhub"]["score_minus_gloo"] = spread(gap)
+    return rows
 
 
 def _report(samples: dict[str, dict[str, list[float]]], rounds: int) -> dict[str, Any]:
@@ -200,11 +242,16 @@ def _merged(report: dict[str, Any], recorded: Path) -> dict[str, Any]:
     old = json.loads(recorded.read_text())
     partial = [p for p in old.get("partial_runs", []) if not set(p["rows"]) <= set(report["rows"])]
     run = {k: report[k] for k in ("rounds", "machine")}
-    return {
+    merged = {
         **old,
         "rows": {**old["rows"], **report["rows"]},
-        "partial_runs": [*partial, {"rows": list(report["rows"]), **run}],
+        "partial_runs": [*partial, {"rows": list(report["rows"]), **run}]
+        if report["rows"]
+        else partial,
     }
+    if "sleeping" in report:  # the sleeping rows, and the run they came from
+        merged["sleeping"], merged["sleeping_run"] = report["sleeping"], run
+    return merged
 
 
 def _markdown(report: dict[str, Any]) -> str:
@@ -255,6 +302,36 @@ def _markdown(report: dict[str, Any]) -> str:
                 f"| {name} | {f['s']['median']:.4f} | {r['median']:.2f}x "
                 f"| {r['min']:.2f}-{r['max']:.2f}x |"
             )
+    asleep = report.get("sleeping", {})
+    if asleep:
+        lines += [
+            "",
+            f"DDP over a backward that leaves the CPU idle ({_sleeping.BLOCKS} blocks of "
+            f"{_sleeping.NUMEL * 4 >> 20} MB, {_sleeping.SLEEP * 1e3:.0f} ms of sleep each, "
+            "one bucket per block); score = step / max(compute, that backend's "
+            "communication), per round"
+            + (
+                f" (a separate run: {report['sleeping_run']['rounds']} rounds, copy "
+                f"{report['sleeping_run']['machine']['copy_GBps_median']:.1f} GB/s, load "
+                f"average {report['sleeping_run']['machine']['loadavg']})"
+                if "sleeping_run" in report
+                else ""
+            )
+            + ":",
+            "",
+            "| row | median s [min, max] | score median [min, max] | score minus gloo's |",
+            "|---|---|---|---|",
+        ]
+        for name, row in asleep.items():
+            cells = [
+                f"{v['median']:{fmt}} [{v['min']:{fmt}}, {v['max']:{fmt}}]" if v else "-"
+                for v, fmt in (
+                    (row["s"], ".4f"),
+                    (row.get("score"), ".2f"),
+                    (row.get("score_minus_gloo"), "+.2f"),
+                )
+            ]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", "Goals: all-reduce <= 0.5x gloo from 4M up; DDP step <= 0.8x.", ""]
     return "\n".join(lines)
 
@@ -269,7 +346,10 @@ def main() -> None:
     )
     parser.add_argument("--dtypes", default="fp32,bf16", help="all-reduce dtypes: fp32, bf16")
     parser.add_argument(
-        "--rows", choices=["all", "all_reduce"], default="all", help="all_reduce: no steps"
+        "--rows",
+        choices=["all", "all_reduce", "sleeping"],
+        default="all",
+        help="all_reduce: no steps; sleeping: the sleeping-backward rows alone",
     )
     parser.add_argument(
         "--merge", action="store_true", help="keep the recorded rows this run does not time"
@@ -283,10 +363,15 @@ def main() -> None:
     if unknown:
         parser.error(f"--dtypes: unknown {', '.join(sorted(unknown))}; choose from fp32, bf16")
     with_steps = args.rows == "all"
-    samples = rank_zero_result(
-        rank_main, 2, args.rounds, args.reps, args.steps, sizes, dtypes, with_steps
+    sleeping = args.rows in ("all", "sleeping")
+    if args.rows == "sleeping":
+        sizes = []
+    samples, sleeping_times = rank_zero_result(
+        rank_main, 2, args.rounds, args.reps, args.steps, sizes, dtypes, with_steps, sleeping
     )
     report = _report(samples, args.rounds)
+    if sleeping:
+        report["sleeping"] = _sleeping_rows(sleeping_times)
     if args.merge:
         report = _merged(report, Path(args.out) / "backend.json")
     write_results(args.out, "backend", report, _markdown(report))
