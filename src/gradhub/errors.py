@@ -159,6 +159,13 @@ class UnsupportedOptionError(GradhubError, TypeError):
     was given; the message says why it is not needed and what to write instead."""
 
 
+class InvalidOptionError(GradhubError, ValueError):
+    """A strategy option with a value it cannot take (``inner_steps=0``, an
+    ``outer_optimizer`` that is not a callable returning a ``torch.optim``
+    optimizer over the parameters it is given); raised by ``gradhub.prepare``
+    before anything changes, the message says what is allowed."""
+
+
 class ReplicasDivergedError(GradhubError, RuntimeError):
     """``gradhub.check_in_sync`` found ranks whose parameters differ from rank 0's.
 

@@ -6,7 +6,9 @@ the typed refusal it met. The reference is DDP over gloo in the same
 processes under ``allreduce``, ``sharded`` and ``ps-sync``; under
 ``ps-async``/``ps-ssp`` rank 0 steps alone and the reference is one process
 on rank 0's batches with each gradient scaled by its share ``1 / world``
-(what a worker pushes; the servers apply each push on its own).
+(what a worker pushes; the servers apply each push on its own). Under
+``diloco`` every rank steps and its reference is one process on its own
+batches (the checks stay between two syncs).
 """
 
 from __future__ import annotations
@@ -125,7 +127,7 @@ def compare(
         ref_opt = make_opt(ref)
         if after_prepare is not None:
             after_prepare(ref, ref_opt)
-        loop = {**loop, "accumulate": "none", "share": 1.0 / ctx.world}
+        loop = {**loop, "accumulate": "none", "share": ctx.share}
         out["ref_seen"] = run_steps(ref, ref_opt, ctx.rank, **loop)
     out["reference"] = arrays(ref)
     return out
@@ -196,7 +198,7 @@ def check_clip_gradhub(ctx: Ctx) -> Any:
     if ctx.sync:
         out["ref_seen"] = run_steps(ddp(ref), sgd(ref), ctx.rank, steps=5, clip=_torch_clip)
     else:
-        loop = {"steps": 5, "accumulate": "none", "share": 1.0 / ctx.world, "clip": _torch_clip}
+        loop = {"steps": 5, "accumulate": "none", "share": ctx.share, "clip": _torch_clip}
         out["ref_seen"] = run_steps(ref, sgd(ref), ctx.rank, **loop)
     out["reference"] = arrays(ref)
     return out
@@ -205,14 +207,15 @@ def check_clip_gradhub(ctx: Ctx) -> Any:
 @check(*ALL)
 def check_grad_scaler(ctx: Ctx) -> Any:
     """torch.amp.GradScaler with fp16-style dynamic scaling; step 1 overflows on one
-    rank (rank 1; rank 0 where it steps alone), so that step is skipped."""
+    rank (rank 1; rank 0 where it steps alone), so that step is skipped (under
+    ``diloco`` on rank 1 only: each worker's scaler is its own)."""
     return compare(
         ctx,
         mlp,
         sgd,
         steps=4,
         clip=_torch_clip,
-        inf_at=(1, 1 if ctx.sync else 0),
+        inf_at=(1, 0 if ctx.alone else 1),
         make_scaler=lambda: torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=2),
     )
 

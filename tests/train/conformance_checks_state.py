@@ -126,7 +126,7 @@ def check_checkpoint_rank0_only(ctx: Ctx) -> Any:
     if ctx.sync:
         run_steps(ddp(ref), ref_opt, ctx.rank, steps=2)
     else:
-        run_steps(ref, ref_opt, ctx.rank, steps=2, share=1.0 / ctx.world)
+        run_steps(ref, ref_opt, ctx.rank, steps=2, share=ctx.share)
     out["reference"] = to_bytes({"model": ref.state_dict(), "optimizer": ref_opt.state_dict()})
     return out
 

@@ -41,6 +41,9 @@ behaviour that makes a rank wait shows as a failure within the suite's time."""
 SYNC = ("allreduce", "sharded", "ps-sync")
 """Strategies whose ranks share every step (DDP's meaning applies as it is)."""
 
+PER_PUSH = ("ps-async", "ps-ssp")
+"""Strategies whose workers' pushes are applied on their own."""
+
 
 # models and data ---------------------------------------------------------------
 
@@ -122,7 +125,15 @@ class Ctx:
         """``ps-async``/``ps-ssp``: the checks step rank 0 alone (its pushes are
         applied on their own, so a single-process reference exists for them);
         rank 1 only prepares."""
-        return not self.sync
+        return self.strategy in PER_PUSH
+
+    @property
+    def share(self) -> float:
+        """Where the ranks do not share steps, the reference is one process on
+        this rank's batches with its gradient scaled by this: the push's share
+        ``1 / world`` under ``ps-async``/``ps-ssp``, 1 under ``diloco`` (an inner
+        step is the worker's own step)."""
+        return 1.0 / self.world if self.alone else 1.0
 
     def prepare(self, model: nn.Module, optimizer: Any, **options: Any) -> tuple[Any, Any]:
         """``gradhub.prepare`` under this strategy; closed when the check ends."""
@@ -166,7 +177,7 @@ def check(*strategies: str) -> Callable[[Check], Check]:
     return register
 
 
-ALL = ("allreduce", "sharded", "ps-sync", "ps-async", "ps-ssp")
+ALL = ("allreduce", "sharded", "ps-sync", "ps-async", "ps-ssp", "diloco")
 
 
 # the job ---------------------------------------------------------------------------

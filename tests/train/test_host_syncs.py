@@ -54,7 +54,7 @@ def servers() -> Iterator[dict[str, ServerHandle]]:
 @pytest.mark.slow
 @pytest.mark.parametrize("samples", [False, True], ids=["plain loop", "set_samples"])
 @pytest.mark.parametrize(
-    "strategy", ["DDP", "allreduce", "sharded", "ps-sync", "ps-async", "ps-ssp"]
+    "strategy", ["DDP", "allreduce", "sharded", "ps-sync", "ps-async", "ps-ssp", "diloco"]
 )
 def test_a_steady_state_step_reads_nothing_back(
     strategy: str, samples: bool, servers: dict[str, ServerHandle]
@@ -62,6 +62,8 @@ def test_a_steady_state_step_reads_nothing_back(
     if samples and strategy == "DDP":
         pytest.skip("DDP has no set_samples")
     options = {"servers": [servers[strategy].address]} if strategy in servers else {}
+    if strategy == "diloco":
+        options = {"inner_steps": 2}  # of the two steps counted, the first is a sync
     results = run_ranks(steady_step_reads, 2, strategy, options, samples, timeout=90)
     for r in results:
         device, python = r.value

@@ -52,11 +52,13 @@ class DataParallelTrainer:
         model: the ``torch.nn.Module`` to train (not needed for split/merge).
         optimizer: its optimizer. For ``allreduce`` it runs locally on every
             rank; ``sharded`` steps it on each rank's slice only (ZeRO-1); the
-            parameter-server strategies use it to configure the servers.
+            parameter-server strategies use it to configure the servers;
+            ``diloco`` steps it locally as the inner optimizer.
         strategy: ``"allreduce"``, ``"sharded"``, ``"ps-async"``, ``"ps-sync"``,
-            ``"ps-ssp"``, or a :class:`~gradhub.train.strategies.Strategy`.
+            ``"ps-ssp"``, ``"diloco"``, or a :class:`~gradhub.train.strategies.Strategy`.
         runtime: from :func:`gradhub.init`; ``fit`` calls it when omitted.
-        **options: options of the strategy (e.g. ``bucket_mb=``, ``compress=``).
+        **options: options of the strategy (e.g. ``bucket_mb=``, ``compress=``;
+            ``inner_steps=``, ``outer_optimizer=`` under ``diloco``).
     """
 
     def __init__(

@@ -15,6 +15,7 @@ from gradhub.train.strategies.base import Closure, Strategy
 # parameter-server client is only loaded by jobs that use it.
 _REGISTRY: dict[str, tuple[str, str]] = {
     "allreduce": ("gradhub.train.strategies.allreduce", "AllReduceStrategy"),
+    "diloco": ("gradhub.train.strategies.diloco", "DiLoCoStrategy"),
     "ps-async": ("gradhub.train.strategies.ps", "AsyncPSStrategy"),
     "ps-ssp": ("gradhub.train.strategies.ps", "SSPPSStrategy"),
     "ps-sync": ("gradhub.train.strategies.ps", "SyncPSStrategy"),
