@@ -20,12 +20,19 @@ Codecs shipped (``get(name)``):
 ``"bf16-truncate"``  the high 16 bits of the fp32 pattern (BigDL's
                      FP16CompressedTensor): 1.111111 -> 1.109375, integers up
                      to 256 exact; relative error < 2**-7, always towards 0.
+``"fp4"``            4-bit floats (E2M1) in blocks of 32 values with one fp32
+                     scale each (MXFP4's layout; its scale is a power of 2):
+                     0.625 bytes per value plus a small header; a *tensor
+                     codec* (:class:`FP4`), taken by ``diloco`` only.
 ===================  =======================================================
 
 The ``compress=`` vocabulary (one registry, one check): every ``compress=``
 of gradhub names either a *wire codec* (above: what travels; the ``sharded``
 and ``ps-*`` strategies, :class:`~gradhub.RemoteParameterServer`,
-:class:`~gradhub.AllReduceParameter` and the collectives take these) or a
+:class:`~gradhub.AllReduceParameter` and the collectives take the elementwise
+ones, whose wire holds one element per value, so the transports may cut it
+anywhere; ``diloco`` also takes the *tensor codecs*, ``"fp4"``, whose wire
+is one whole tensor's blocks, scales and shape, sent as a unit) or a
 *bucket reducer* (how the ``allreduce`` strategy sums a gradient bucket:
 ``"none"``, ``"fp16"``, ``"bf16"``, ``"powersgd"``, and the names
 :func:`gradhub.train.reducers.register` adds). :func:`check` is the one
@@ -52,6 +59,9 @@ class Codec(abc.ABC):
     name: str
     wire_dtype: torch.dtype
     relative_error: float
+    elementwise: bool = True
+    """One wire element per value, decoded on its own (a slice of the wire is the
+    wire of that slice). ``False``: a tensor codec, whose wire is decoded whole."""
 
     @property
     def bytes_per_element(self) -> int:
@@ -127,12 +137,118 @@ class BF16Truncate(Codec):
         return (bits >> 16).to(torch.int16).view(torch.bfloat16)
 
 
-_CODECS: dict[str, type[Codec]] = {c.name: c for c in (NoCompression, FP16, BF16, BF16Truncate)}
+FP4_BLOCK = 32
+"""Values per scale of :class:`FP4` (the OCP microscaling formats' block)."""
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+"""The magnitudes of E2M1 (1 sign, 2 exponent, 1 mantissa bit), by code 0..7."""
+_FP4_MAX = 6.0
+# Round to nearest, ties to the even code: the midpoints between neighbours, each
+# lowered by one ulp where the tie goes up (to an even code above it).
+_FP4_EDGES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+class FP4(Codec):
+    """4-bit floats, E2M1, in blocks of :data:`FP4_BLOCK` values with one fp32 scale.
+
+    Encode: the tensor is read flat and cut into blocks of 32 (the last one
+    padded with zeros); a block's scale is its largest magnitude divided by 6
+    (the largest E2M1 value), so that value travels as 6 times the scale; each value
+    ``x / scale`` is rounded to the nearest E2M1 magnitude (ties to the even
+    code), its sign in the fourth bit, two codes per byte (the first in the
+    low nibble). The wire is one uint8 tensor: the shape (int64 count of
+    dimensions, then the dimensions), the fp32 scales, the packed codes:
+    ``8 * (1 + ndim) + 20 * ceil(n / 32)`` bytes, about 0.625 bytes per value
+    (fp32 takes 4). Decode: ``code value * scale`` in fp32, in ``x``'s shape.
+
+    Error: every value is off by at most ``max(relative_error * |x|, m / 24)``,
+    ``m`` its block's largest magnitude: a value of at least ``m / 6`` (E2M1's
+    normal range after scaling) by at most ``relative_error`` (1/4; 1/5 is the
+    worst case, 1.25 rounded to 1) times itself, a smaller one by at most half
+    of E2M1's smallest step (0.5) times the scale; a block of zeros is exact.
+    This holds where the scale is a normal fp32
+    (a largest magnitude of at least ``6 * 2**-126``); a block of smaller
+    values decodes within twice its largest magnitude. ``-0.0`` decodes as
+    ``0.0``. Non-finite values: a block holding an infinity or NaN decodes to
+    NaN in all its places (E2M1 has neither; the sum it joins is non-finite,
+    as an fp32 sum with it would be, and a non-finite check sees it).
+
+    A tensor codec (``elementwise`` is ``False``): the wire must travel whole,
+    so only entry points that send each tensor as a unit take it
+    (:func:`check`; ``diloco``'s ``compress=``).
+    """
+
+    name = "fp4"
+    wire_dtype = torch.uint8
+    relative_error = 0.25
+    elementwise = False
+
+    @property
+    def bytes_ratio(self) -> float:
+        """Wire bytes per fp32 byte, header left out: 20 bytes per 32 values."""
+        return (FP4_BLOCK // 2 + 4) / (4 * FP4_BLOCK)
+
+    def wire_bytes(self, shape: torch.Size | tuple[int, ...]) -> int:
+        """The length of the wire of a tensor of ``shape``, in bytes."""
+        numel = 1
+        for d in shape:
+            numel *= d
+        blocks = -(-numel // FP4_BLOCK)
+        return 8 * (1 + len(shape)) + blocks * (4 + FP4_BLOCK // 2)
+
+    def encode(self, tensor: torch.Tensor) -> torch.Tensor:
+        shape = tuple(tensor.shape)
+        flat = tensor.detach().to(torch.float32).reshape(-1)
+        blocks = -(-flat.numel() // FP4_BLOCK)
+        padded = flat.new_zeros(blocks * FP4_BLOCK)
+        padded[: flat.numel()] = flat
+        values = padded.view(blocks, FP4_BLOCK)
+        largest = values.abs().amax(dim=1)
+        scale = torch.where(
+            torch.isfinite(largest), largest / _FP4_MAX, torch.full_like(largest, float("nan"))
+        )
+        divisor = torch.where(scale == 0, torch.ones_like(scale), scale)
+        magnitude = (values.abs() / divisor[:, None]).nan_to_num_(0.0, 0.0, 0.0)
+        codes = torch.bucketize(magnitude, _edges(values.device)).to(torch.uint8)
+        codes |= (values < 0).to(torch.uint8) << 3
+        pairs = codes.view(-1, 2)
+        packed = pairs[:, 0] | (pairs[:, 1] << 4)
+        head = torch.tensor([len(shape), *shape], dtype=torch.int64, device=values.device)
+        return torch.cat([head.view(torch.uint8), scale.view(torch.uint8), packed])
+
+    def decode(self, wire: torch.Tensor) -> torch.Tensor:
+        data = wire.reshape(-1)  # views of its parts are copies: any offset is fine
+        ndim = int(data[:8].clone().view(torch.int64)[0])
+        shape = [int(d) for d in data[8 : 8 * (1 + ndim)].clone().view(torch.int64)]
+        numel = 1
+        for d in shape:
+            numel *= d
+        blocks = -(-numel // FP4_BLOCK)
+        start = 8 * (1 + ndim)
+        scale = data[start : start + 4 * blocks].clone().view(torch.float32)
+        packed = data[start + 4 * blocks : start + 4 * blocks + blocks * FP4_BLOCK // 2]
+        codes = torch.stack([packed & 15, packed >> 4], dim=1).view(blocks, FP4_BLOCK)
+        table = torch.tensor(FP4_VALUES, dtype=torch.float32, device=data.device)
+        values = table[(codes & 7).long()]
+        values = torch.where(codes >= 8, -values, values) * scale[:, None]
+        return values.reshape(-1)[:numel].reshape(shape)
+
+
+def _edges(device: torch.device) -> torch.Tensor:
+    edges = torch.tensor(_FP4_EDGES, dtype=torch.float32, device=device)
+    up = torch.tensor([False, True, False, True, False, True, False], device=device)
+    return torch.where(up, torch.nextafter(edges, torch.zeros_like(edges)), edges)
+
+
+_CODECS: dict[str, type[Codec]] = {
+    c.name: c for c in (NoCompression, FP16, BF16, BF16Truncate, FP4)
+}
 """The wire codecs. Their order gives each codec its code in the parameter-server
 wire header: add new codecs at the end."""
 
 WIRE = "wire codec"
-"""Kind of a ``compress=`` name: a :class:`Codec` (what travels)."""
+"""Kind of a ``compress=`` name: an elementwise :class:`Codec` (what travels)."""
+TENSOR = "tensor codec"
+"""Kind of a ``compress=`` name: any :class:`Codec`, tensor codecs (``fp4``) too."""
 BUCKET = "bucket reducer"
 """Kind of a ``compress=`` name: a bucket reducer of the ``allreduce`` strategy."""
 
@@ -143,6 +259,7 @@ ENTRY_POINTS: dict[str, str] = {
     "RemoteParameterServer": WIRE,
     "AllReduceParameter": WIRE,
     "a wire codec": WIRE,
+    "diloco": TENSOR,
 }
 """What each ``compress=`` takes (the ``for_`` of :func:`check`)."""
 
@@ -153,25 +270,38 @@ piece of module-level state of the vocabulary, as a plug-in registry is."""
 
 
 def available(kind: str = WIRE) -> list[str]:
-    """The names of ``kind`` (:data:`WIRE`: in wire-code order; :data:`BUCKET`: sorted)."""
+    """The names of ``kind`` (:data:`WIRE`, :data:`TENSOR`: in wire-code order;
+    :data:`BUCKET`: sorted)."""
     if kind == WIRE:
+        return [name for name, c in _CODECS.items() if c.elementwise]
+    if kind == TENSOR:
         return list(_CODECS)
     if kind == BUCKET:
         return sorted(_REDUCERS)
-    raise ValueError(f"unknown kind {kind!r}; choose {WIRE!r} or {BUCKET!r}")
+    raise ValueError(f"unknown kind {kind!r}; choose {WIRE!r}, {TENSOR!r} or {BUCKET!r}")
 
 
 def check(name: object, *, for_: str) -> str:
     """The canonical name if ``name`` is a ``compress=`` value that ``for_`` (a key
     of :data:`ENTRY_POINTS`: a strategy or a class) takes, else ``ValueError``
     naming the entry point and listing what it takes. Wire codec names are
-    case-insensitive; a :class:`Codec` instance passes where a wire codec does."""
+    case-insensitive; a :class:`Codec` instance passes where a wire codec does.
+    A tensor codec (``fp4``) where only elementwise ones go is refused saying so."""
     kind = ENTRY_POINTS[for_]
-    if kind == WIRE:
-        if isinstance(name, Codec):
-            return name.name
+    if kind in (WIRE, TENSOR):
+        codec = name if isinstance(name, Codec) else None
         if isinstance(name, str) and name.lower() in _CODECS:
-            return name.lower()
+            codec = _CODECS[name.lower()]()
+        if codec is not None and (codec.elementwise or kind == TENSOR):
+            return codec.name
+        if codec is not None:
+            raise ValueError(
+                f"compress={codec.name!r} is a tensor codec (blocks of values with a scale "
+                f"each, decoded whole); {for_} takes elementwise codecs only (its wire is cut into "
+                f"slices)\n- help: choose one of "
+                f"{', '.join(available(kind))} ({kind}s); {codec.name} goes with strategy "
+                "'diloco' (its pseudo-gradients)"
+            )
     elif isinstance(name, str) and name in _REDUCERS:
         return name
     extra = "; gradhub.train.reducers.register adds one" if kind == BUCKET else ""

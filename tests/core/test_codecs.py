@@ -95,3 +95,86 @@ def test_error_feedback_refuses_a_different_shape() -> None:
     fb.encode(torch.ones(3))
     with pytest.raises(ValueError, match="one ErrorFeedback per buffer"):
         fb.encode(torch.ones(4))
+
+
+# fp4: E2M1 in blocks of 32 with an fp32 scale each (a tensor codec) ------------------
+
+FP4 = codecs.FP4()
+TINY = 6 * 2.0**-126  # below this largest magnitude a block's scale is subnormal
+
+fp4_values = arrays(
+    np.float32,
+    st.integers(0, 100),
+    elements=st.floats(-(2.0**100), 2.0**100, width=32)
+    | st.sampled_from([0.0, -0.0, 2.0**-120, -(2.0**-149)]),
+)
+
+
+def _blocks(x: torch.Tensor) -> torch.Tensor:
+    """Each value's block's largest magnitude."""
+    padded = torch.zeros(-(-x.numel() // 32) * 32)
+    padded[: x.numel()] = x.reshape(-1).abs()
+    return padded.view(-1, 32).amax(dim=1).repeat_interleave(32)[: x.numel()]
+
+
+@settings(max_examples=100, deadline=None)
+@given(fp4_values, st.sampled_from([(-1,), (-1, 1), (1, -1, 1)]))
+def test_fp4_round_trip_within_its_stated_bound(values: np.ndarray, shape: tuple[int]) -> None:
+    """``|y - x| <= max(relative_error |x|, m / 24)`` (m: the block's largest
+    magnitude) where the scale is normal; within 2 m below; the shape comes back."""
+    x = torch.from_numpy(values).reshape(shape)
+    before = x.clone()
+    wire = FP4.encode(x)
+    y = FP4.decode(wire)
+    assert torch.equal(x, before)
+    assert y.dtype == torch.float32 and y.shape == x.shape
+    assert wire.dtype == torch.uint8 and wire.numel() == FP4.wire_bytes(x.shape)
+    m = _blocks(x)
+    err = (y - x).reshape(-1).abs().double()
+    bound = torch.maximum(FP4.relative_error * x.reshape(-1).abs(), m / 24).double()
+    # 1e-6 relative: the scale m / 6 and x / scale are rounded in fp32.
+    normal = m >= TINY
+    assert torch.all(err[normal] <= bound[normal] * (1 + 1e-6))
+    assert torch.all(err[~normal] <= 2 * m[~normal].double() + 2.0**-149)
+
+
+def test_fp4_grid_ties_zeros_and_the_largest_value() -> None:
+    """Exact E2M1 values travel exactly, ties go to the even code, zeros stay
+    zeros (``-0.0`` as ``0.0``), the block's largest value comes back."""
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -6.0, -0.5, -0.0])
+    assert torch.equal(FP4.decode(FP4.encode(grid)), grid)
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0])
+    assert FP4.decode(FP4.encode(ties)).tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0]
+    zeros = torch.zeros(70)
+    assert torch.equal(FP4.decode(FP4.encode(zeros)), zeros)
+    largest = float(torch.finfo(torch.float32).max)
+    assert FP4.decode(FP4.encode(torch.tensor([largest, -largest, 1.0]))).tolist()[:2] == [
+        largest,
+        -largest,
+    ]
+    assert FP4.decode(FP4.encode(torch.tensor(3.0))).shape == ()
+    assert FP4.decode(FP4.encode(torch.zeros(0, 4))).shape == (0, 4)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_fp4_a_non_finite_value_makes_its_block_nan(bad: float) -> None:
+    x = torch.ones(64)
+    x[40] = bad
+    y = FP4.decode(FP4.encode(x))
+    assert torch.equal(y[:32], x[:32])  # the other block travels as ever
+    assert torch.isnan(y[32:]).all()
+
+
+def test_fp4_bytes_and_where_it_is_taken() -> None:
+    """20 bytes per 32 values plus the shape; a tensor codec: diloco takes it,
+    the entry points that cut the wire refuse it saying so."""
+    assert FP4.wire_bytes((1000,)) == 16 + 32 * 20
+    assert FP4.bytes_ratio == 20 / 128
+    assert "fp4" in codecs.available(codecs.TENSOR)
+    assert "fp4" not in codecs.available()  # the elementwise wire codecs
+    assert codecs.check("FP4", for_="diloco") == "fp4"
+    assert codecs.check(FP4, for_="diloco") == "fp4"
+    for entry in ("a wire codec", "sharded", "AllReduceParameter", "RemoteParameterServer"):
+        for name in ("fp4", FP4):
+            with pytest.raises(ValueError, match=r"(?s)is a tensor codec.*goes with strategy"):
+                codecs.check(name, for_=entry)

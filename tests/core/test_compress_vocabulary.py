@@ -14,9 +14,11 @@ from gradhub.ps import ClientConfig
 from gradhub.train import reducers
 from gradhub.train.strategies import make_strategy
 from gradhub.train.strategies.allreduce import AllReduceConfig
+from gradhub.train.strategies.diloco import DiLoCoConfig
 from gradhub.train.strategies.sharded import ShardedConfig
 
 WIRE = "none, fp16, bf16, bf16-truncate (wire codecs)"
+TENSOR = "none, fp16, bf16, bf16-truncate, fp4 (tensor codecs)"
 BUCKET = "bf16, fp16, none, powersgd (bucket reducers; gradhub.train.reducers.register adds one)"
 ADDRESS = "tcp://127.0.0.1:1"  # never connected: the name is refused first
 
@@ -38,6 +40,8 @@ ENTRY_POINTS: list[tuple[str, str, Callable[[str], Any]]] = [
         lambda c: RemoteParameterServer(ADDRESS, worker_id=0, compress=c),
     ),
     ("a wire codec", WIRE, lambda c: codecs.get(c)),
+    ("diloco", TENSOR, lambda c: DiLoCoConfig(compress=c)),
+    ("diloco", TENSOR, lambda c: make_strategy("diloco", compress=c)),
 ]
 
 
@@ -63,6 +67,8 @@ def test_the_entry_points_take_their_names() -> None:
         assert ClientConfig(addresses=ADDRESS, worker_id=0, compress=name.upper()).compress == name
     for name in codecs.available(codecs.BUCKET):
         assert AllReduceConfig(compress=name).compress == name
+    for name in codecs.available(codecs.TENSOR):
+        assert DiLoCoConfig(compress=name.upper()).compress == name
 
 
 def test_a_registered_reducer_joins_the_vocabulary_of_allreduce_only(

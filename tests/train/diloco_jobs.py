@@ -314,3 +314,130 @@ class _Plain:
 
     def step(self) -> None:
         self.opt.step()
+
+
+# streaming DiLoCo -------------------------------------------------------------------
+
+
+def streaming(rank: int, world: int, steps: int) -> dict[str, Any]:
+    """Streaming runs on every rank, each beside its hand computation (made in this
+    process): per run the final weights, the shared weights and, per step, the
+    fragments whose exchange started and the group operations submitted."""
+    from gradhub.train.strategies.diloco import exchange
+
+    torch.set_num_threads(1)
+    runs: dict[str, dict[str, Any]] = {
+        "fragments": {"inner_steps": 6, "fragments": 3, "overlap": 1},
+        "blocking": {"inner_steps": 3, "fragments": 1, "overlap": 0, "compress": "none"},
+        "bf16": {"inner_steps": 4, "fragments": 2, "overlap": 1, "compress": "bf16"},
+        "fp4": {"inner_steps": 4, "fragments": 2, "overlap": 0, "compress": "fp4"},
+    }
+    out: dict[str, Any] = {}
+    real_start = exchange.start
+    with gradhub.init(timeout=TIMEOUT) as runtime:
+        for name, options in runs.items():
+            started: list[tuple[int, int]] = []  # (step, elements) of each exchange
+            current: list[Any] = []  # the model of this run
+
+            def recording(
+                flat: torch.Tensor, *args: Any, log: Any = started, m: Any = current
+            ) -> Any:
+                log.append((m[0].strategy.steps, flat.numel()))
+                return real_start(flat, *args)
+
+            exchange.start = recording  # type: ignore[assignment]
+            try:
+                base = mlp(seed=rank)
+                model, opt = gradhub.prepare(
+                    base, sgd_momentum(base), strategy="diloco", runtime=runtime, **options
+                )
+                current.append(model)
+                with counting_collectives() as counts:
+                    per_step = []
+                    for step in range(steps):
+                        before = counts.get("group.submit", 0)
+                        loop(model, opt, rank, range(step, step + 1))
+                        per_step.append(counts.get("group.submit", 0) - before)
+                out[name] = {
+                    "params": arrays(base.parameters()),
+                    "shared": arrays(model.strategy.shared),
+                    "started": started,
+                    "submits": per_step,
+                    "fragments": [list(f) for f in model.strategy.fragments],
+                }
+                model.close()
+            finally:
+                exchange.start = real_start  # type: ignore[assignment]
+            h, f, tau = options["inner_steps"], options["fragments"], options["overlap"]
+            codec = options.get("compress", "none")
+            out[name]["reference"] = streaming_by_hand(world, steps, h, f, tau, codec)
+    return out
+
+
+def streaming_by_hand(
+    world: int, steps: int, inner_steps: int, count: int, tau: int, compress: str
+) -> tuple[Arrays, Arrays]:
+    """Streaming DiLoCo written out: ``world`` plain workers (:func:`mlp`, SGD with
+    momentum inside, 4 samples each per step, weight 1); fragment ``f`` (the
+    parameters :func:`~gradhub.train.strategies.diloco.fragments.cut` gives) starts
+    its sync after step ``n`` with ``n % H == f * H // F``: each worker's
+    ``shared - local``, through ``decode(encode(.))`` for a codec, summed in rank
+    order, divided by ``world``, Nesterov SGD (lr 0.7, momentum 0.9) on the
+    fragment's shared weights ``tau`` steps later, when each worker's fragment
+    becomes ``shared + (local - local at the start)``. Returns (worker 0's
+    weights, the shared weights)."""
+    from gradhub import codecs
+    from gradhub.train.strategies.diloco.fragments import cut
+
+    workers = [mlp() for _ in range(world)]
+    opts = [sgd_momentum(w) for w in workers]
+    params = [list(w.parameters()) for w in workers]
+    shared = [p.detach().clone() for p in params[0]]
+    momentum: list[torch.Tensor | None] = [None] * len(shared)
+    groups = cut([p.numel() for p in shared], count)
+    codec = None if compress == "none" else codecs.get(compress, for_="diloco")
+    pending: tuple[int, int, Any, Any] | None = None  # (fragment, merge step, sum, starts)
+
+    def merge(f: int, summed: list[torch.Tensor], starts: list[list[torch.Tensor]]) -> None:
+        for k, i in enumerate(groups[f]):
+            average = summed[k] / float(world) if world != 1 else summed[k]
+            buf = momentum[i]
+            if buf is None:
+                buf = momentum[i] = average.clone()
+            else:
+                buf.mul_(0.9).add_(average)
+            shared[i].add_(average.add(buf, alpha=0.9), alpha=-0.7)
+            for r in range(world):
+                p = params[r][i]
+                p.copy_(shared[i] if tau == 0 else shared[i] + (p - starts[r][k]))
+
+    for step in range(1, steps + 1):
+        for r, (w, o) in enumerate(zip(workers, opts, strict=True)):
+            loop(w, _Plain(o), r, range(step - 1, step))
+        with torch.no_grad():
+            if pending is not None and pending[1] == step:
+                merge(pending[0], pending[2], pending[3])
+                pending = None
+            for f in range(count):
+                if step % inner_steps != f * inner_steps // count:
+                    continue
+                # The fragment's pseudo-gradient is one flat vector (one codec call).
+                deltas = [
+                    torch.cat([(shared[i] - params[r][i]).reshape(-1) for i in groups[f]])
+                    for r in range(world)
+                ]
+                if codec is not None:
+                    deltas = [codec.decode(codec.encode(d)) for d in deltas]
+                total = deltas[0].clone()
+                for d in deltas[1:]:
+                    total.add_(d)
+                sizes = [shared[i].numel() for i in groups[f]]
+                summed = [
+                    t.view_as(shared[i]) for t, i in zip(total.split(sizes), groups[f], strict=True)
+                ]
+                starts = [[params[r][i].detach().clone() for i in groups[f]] for r in range(world)]
+                if tau == 0:
+                    merge(f, summed, starts)
+                else:
+                    pending = (f, step + tau, summed, starts)
+    return arrays(params[0]), arrays(shared)

@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import gradhub
@@ -26,10 +28,13 @@ from diloco_jobs import (
     mlp,
     resumed,
     sgd_momentum,
+    streaming,
+    streaming_by_hand,
     weighted_and_quiet,
 )
 from gradhub.errors import InvalidOptionError, UnsupportedOptionError
 from gradhub.train.strategies.diloco import DiLoCoStrategy
+from gradhub.train.strategies.diloco.fragments import cut, offsets
 from harness import run_ranks
 
 STEPS = 5
@@ -151,9 +156,13 @@ def test_loss_scaling_skips_per_worker_and_a_lost_step_is_named() -> None:
             InvalidOptionError,
             "exactly the parameters",
         ),
-        ({"fragments": 4}, UnsupportedOptionError, "not available"),
         ({"servers": ["127.0.0.1:1"]}, UnsupportedOptionError, "not available"),
-        ({"compress": "fp4"}, UnsupportedOptionError, "not available"),
+        ({"asynchronous": True}, UnsupportedOptionError, "not available"),
+        ({"fragments": 0}, InvalidOptionError, "fragments must be an int from 1"),
+        ({"fragments": 3, "inner_steps": 2}, InvalidOptionError, "fragments must be"),
+        ({"fragments": 5}, InvalidOptionError, "has 4 trainable parameters"),
+        ({"overlap": 2, "fragments": 2, "inner_steps": 4}, InvalidOptionError, "overlap must"),
+        ({"overlap": -1}, InvalidOptionError, "overlap must"),
         ({"sync_every": 10}, UnsupportedOptionError, "inner_steps"),
     ],
 )
@@ -200,3 +209,114 @@ def test_fit_runs_diloco_with_its_options() -> None:
             result = trainer.fit((x, y), epochs=1, batch_size=8)
     assert result.steps == 8
     assert len(outer_steps) == 2
+
+
+# streaming DiLoCo: fragments, overlap, compressed pseudo-gradients -------------------
+
+
+def test_fragments_are_contiguous_about_equal_and_staggered() -> None:
+    """The rule of ``fragments.cut``: each fragment ends at the first parameter
+    boundary at or past ``(f + 1) / F`` of the elements, holding at least one."""
+    assert cut([96, 16, 48, 3], 1) == [range(0, 4)]
+    assert cut([96, 16, 48, 3], 2) == [range(0, 1), range(1, 4)]
+    assert cut([96, 16, 48, 3], 3) == [range(0, 1), range(1, 2), range(2, 4)]
+    assert cut([10] * 10, 3) == [range(0, 4), range(4, 7), range(7, 10)]
+    assert cut([1000, 1, 1], 3) == [range(0, 1), range(1, 2), range(2, 3)]
+    assert offsets(6, 3) == [0, 2, 4] and offsets(7, 3) == [0, 2, 4] and offsets(5, 1) == [0]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(1, 50), min_size=1, max_size=12), st.integers(1, 12))
+def test_fragments_cover_the_parameters_in_order(sizes: list[int], count: int) -> None:
+    count = min(count, len(sizes))
+    parts = cut(sizes, count)
+    assert len(parts) == count and all(len(p) >= 1 for p in parts)
+    assert [i for p in parts for i in p] == list(range(len(sizes)))
+    total = sum(sizes)
+    for f, part in enumerate(parts[:-1]):
+        done = sum(sizes[: part[-1] + 1])
+        # At or past (f + 1) / F of the elements, unless later fragments need the rest.
+        assert done * count >= (f + 1) * total or part[-1] + 1 == len(sizes) - (count - f - 1)
+        # The first such boundary: one parameter less falls short (or the part has one).
+        assert len(part) == 1 or (done - sizes[part[-1]]) * count < (f + 1) * total
+
+
+def test_one_worker_overlap_keeps_the_progress_of_the_overlapped_steps() -> None:
+    """World 1, H = 4, two fragments (offsets 0 and 2), overlap 1, 11 steps: the
+    hand computation (``streaming_by_hand``: the outer step merged one step after
+    each fragment's sync, its weights the new shared ones plus the step's local
+    progress) bit for bit; an exchange stays in flight at the end (step 10 synced
+    fragment 1), and ``close`` waits for it."""
+    want, want_shared = streaming_by_hand(1, 11, 4, 2, 1, "none")
+    with gradhub.init(timeout=10) as runtime:
+        base = mlp()
+        model, opt = gradhub.prepare(
+            base,
+            sgd_momentum(base),
+            strategy="diloco",
+            runtime=runtime,
+            inner_steps=4,
+            fragments=2,
+            overlap=1,
+        )
+        loop(model, opt, 0, range(10))
+        with pytest.raises(gradhub.errors.MisuseError, match="in flight"):
+            opt.state_dict()
+        loop(model, opt, 0, range(10, 11))
+        _same([p.detach().numpy() for p in base.parameters()], want)
+        _same([s.numpy() for s in model.strategy.shared], want_shared)
+        model.close()
+
+
+@pytest.fixture(scope="module")
+def streamed() -> list[Any]:
+    """2 ranks, 12 steps of each run of ``diloco_jobs.streaming``."""
+    return [r.value for r in run_ranks(streaming, 2, 12, timeout=90)]
+
+
+@pytest.mark.slow
+def test_each_fragment_syncs_once_per_period_at_its_offset(streamed: list[Any]) -> None:
+    """H = 6, F = 3 (offsets 0, 2, 4), overlap 1: fragment f's exchange starts after
+    steps 2, 8 (f = 1), 4, 10 (f = 2), 6, 12 (f = 0), each carrying that fragment's
+    elements alone; the group gets its two operations (the pseudo-gradient, the
+    tally) at those steps and none at the others (the merge waits only)."""
+    for v in streamed:
+        run = v["fragments"]
+        assert run["fragments"] == [[0], [1], [2, 3]]
+        sizes = {0: 96, 1: 16, 2: 48 + 3}
+        want = [(2, sizes[1]), (4, sizes[2]), (6, sizes[0])]
+        assert run["started"] == want + [(s + 6, n) for s, n in want]
+        assert run["submits"] == [2 if (step + 1) % 2 == 0 else 0 for step in range(12)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", ["fragments", "blocking", "bf16", "fp4"])
+def test_streaming_runs_are_the_hand_computation_on_every_rank(
+    streamed: list[Any], run: str
+) -> None:
+    """Every run against ``streaming_by_hand`` with the world of 2 bit for bit (the
+    ring adds rank 0's term and rank 1's as the hand does; the codecs' terms are
+    decoded and added in rank order); the shared weights are the same bits on both
+    ranks. ``blocking`` (F = 1, overlap 0, compress "none" given) is also the plain
+    ``diloco`` hand computation (``by_hand``) bit for bit."""
+    for v in streamed:
+        want, want_shared = v[run]["reference"]
+        _same(v[run]["shared"], want_shared)
+        if v is streamed[0]:
+            _same(v[run]["params"], want)
+    _same(streamed[1][run]["shared"], streamed[0][run]["shared"])
+    if run == "blocking":
+        plain, plain_shared = by_hand(2, 12, 3, sgd_momentum)
+        _same(streamed[0][run]["params"], plain)
+        _same(streamed[1][run]["params"], plain)
+        _same(streamed[0][run]["shared"], plain_shared)
+
+
+@pytest.mark.slow
+def test_fp4_is_in_the_path(streamed: list[Any]) -> None:
+    """The fp4 run is not the fp32 one on the same data (the hand computation
+    above would match a run that skipped the codec, had it skipped it too)."""
+    _, fp32_shared = streaming_by_hand(2, 12, 4, 2, 0, "none")
+    got = streamed[0]["fp4"]["shared"]
+    assert any(not np.array_equal(g, w) for g, w in zip(got, fp32_shared, strict=True))
+    assert all(np.isfinite(g).all() for g in got)

@@ -1,0 +1,323 @@
+"""The ``diloco`` strategy: :class:`DiLoCoStrategy` (the package docstring says
+what it does, line by line of DDP's loop)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from gradhub import codecs
+from gradhub._config import config_or_options
+from gradhub.errors import (
+    InvalidOptionError,
+    MisuseError,
+    ShapeMismatchError,
+    UnsupportedByStrategyError,
+)
+from gradhub.train.strategies.base import Strategy, load_keeping_objects
+from gradhub.train.strategies.diloco import exchange, fragments
+from gradhub.train.strategies.diloco.config import DiLoCoConfig, build_outer, check_option_names
+
+_WIDTHS = (torch.float32, torch.bfloat16, torch.float16)
+_CHECKED = 64
+"""Backward counts are compared modulo this (exact fp32 sums up to 4096 ranks)."""
+
+
+class _Pending:
+    """A fragment's exchange in flight, merged after ``remaining`` more inner steps."""
+
+    def __init__(
+        self, fragment: int, job: exchange.Exchange, start: list[torch.Tensor] | None, tau: int
+    ) -> None:
+        self.fragment, self.job, self.start, self.remaining = fragment, job, start, tau
+
+
+class DiLoCoStrategy(Strategy):
+    """Inner steps on each worker; every H-th step (per fragment, at its offset), an
+    outer step on the averaged pseudo-gradient, which every worker takes."""
+
+    name = "diloco"
+
+    def __init__(self, config: DiLoCoConfig | None = None, **options: Any) -> None:
+        super().__init__()
+        check_option_names(options)
+        self.config = config_or_options(DiLoCoConfig, config, options)
+        self.outer: torch.optim.Optimizer | None = None
+        """The outer optimizer (over :attr:`shared`), built at set-up."""
+        self.shared: list[torch.Tensor] = []
+        """The shared fp32 weights of the last sync, one per trainable parameter."""
+        self.inner_done = 0
+        """Inner steps taken since the last sync of fragment 0 (the step count mod H)."""
+        self.fragments: list[range] = []
+        """The parameter indices of each fragment (:func:`.fragments.cut`)."""
+        self.offsets = fragments.offsets(self.config.inner_steps, self.config.fragments)
+        """The step in each period of H at which each fragment syncs."""
+        self.codec = codecs.get(self.config.compress, for_="diloco")
+        count = self.config.fragments
+        self._samples_seen: list[float | None] = [None] * count  # set_samples counts
+        self._plain = [0] * count  # steps without set_samples since the fragment's sync
+        self._backwards = [0] * count  # backward passes outside no_sync() since then
+        self._pending: _Pending | None = None
+        self._flat = torch.zeros(0)
+        self._slices: list[tuple[int, int]] = []
+
+    # set-up ------------------------------------------------------------------------
+
+    def _setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        odd = sorted({str(p.dtype) for p in self.params if p.dtype not in _WIDTHS})
+        if odd:
+            raise UnsupportedByStrategyError(
+                f"strategy 'diloco' keeps fp32 shared weights of fp32, bf16 or fp16 "
+                f"parameters; this model has {', '.join(odd)}\n- help: call model.float() "
+                "(or .bfloat16()) before gradhub.prepare"
+            )
+        if self.config.fragments > len(self.params):
+            raise InvalidOptionError(
+                f"fragments={self.config.fragments} but the model has {len(self.params)} "
+                "trainable parameters; a fragment holds whole parameters\n- help: at most "
+                f"fragments={len(self.params)}"
+            )
+        # The outer optimizer first: a bad one is refused before anything changes.
+        shared = [p.detach().float().clone() for p in self.params]
+        self.outer = build_outer(self.config.outer_optimizer, shared)
+        self._broadcast_from_rank0(model)
+        with torch.no_grad():
+            for s, p in zip(shared, self.params, strict=True):
+                s.copy_(p)
+        self.shared = shared
+        self.fragments = fragments.cut([p.numel() for p in self.params], self.config.fragments)
+        offset = 0
+        for p in self.params:
+            self._slices.append((offset, p.numel()))
+            offset += p.numel()
+        self._flat = torch.zeros(offset, dtype=torch.float32, device=self.params[0].device)
+        # The weight and the backward-count check: host data, summed in host memory
+        # where the group carries host tensors (read through a NumPy view, no sync).
+        self._tally = torch.zeros(3, dtype=torch.float32, device=self.runtime.group.device)
+        self._tally_host = self._tally.numpy() if self._tally.device.type == "cpu" else None
+
+    def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
+        raise MisuseError(
+            "register_comm_hook is not available under strategy 'diloco': no backward "
+            "communicates, and the pseudo-gradients travel at each sync as compress= says"
+            "\n- help: drop the register_comm_hook line (diloco's compress= takes codecs)"
+        )
+
+    def before_forward(self) -> None:
+        """Nothing: buffers follow rank 0 at each sync, not at each forward."""
+        return None
+
+    # the loop ------------------------------------------------------------------------
+
+    def apply(self, index: int = 0) -> None:
+        # Every backward is local here, inside no_sync() or not: a step always has
+        # this worker's own gradient to use.
+        self._local, self._synced = False, True
+        super().apply(index)
+
+    def _check_step_ready(self, what: str) -> None:
+        if self._in_backward:
+            raise MisuseError(f"{what} called during backward()")
+
+    def _finish_backward(self) -> None:
+        for f in range(len(self._backwards)):
+            self._backwards[f] += 1
+
+    def _apply(self) -> None:
+        self._count_samples()
+        self._step_optimizer(self._current)
+
+    def _skip(self) -> None:
+        self._count_samples()
+
+    def _count_samples(self) -> None:
+        for f, seen in enumerate(self._samples_seen):
+            if self._samples is None:
+                self._plain[f] += 1
+            else:
+                self._samples_seen[f] = (seen or 0.0) + self._samples[0]
+
+    def _rank_weight(self, f: int) -> float:
+        """1 (the plain mean) without ``set_samples`` since fragment ``f``'s last sync,
+        else the samples given plus 1 per step without it."""
+        seen = self._samples_seen[f]
+        if seen is None:
+            return 1.0
+        return seen + self._plain[f]
+
+    def _step_done(self) -> None:
+        super()._step_done()
+        self.inner_done = (self.inner_done + 1) % self.config.inner_steps
+        pending = self._pending
+        if pending is not None:
+            pending.remaining -= 1
+            if pending.remaining <= 0:
+                self._merge()
+        for f, offset in enumerate(self.offsets):
+            if offset == self.inner_done:
+                self._start(f)
+                assert self._pending is not None
+                if self._pending.remaining == 0:
+                    self._merge()
+
+    def _span(self, f: int) -> tuple[int, int]:
+        """Fragment ``f``'s elements in the flat buffer: (start, end)."""
+        first, last = self.fragments[f][0], self.fragments[f][-1]
+        return self._slices[first][0], self._slices[last][0] + self._slices[last][1]
+
+    def _start(self, f: int) -> None:
+        """Fragment ``f``'s pseudo-gradient, weighted, sent (see the package docstring)."""
+        lo, hi = self._span(f)
+        flat, members = self._flat[lo:hi], self.fragments[f]
+        with torch.no_grad():
+            for i in members:
+                offset, size = self._slices[i]
+                s, p = self.shared[i], self.params[i]
+                delta = self._flat[offset : offset + size].view_as(p)
+                if p.dtype == torch.float32:
+                    torch.sub(s, p.detach(), out=delta)
+                else:  # against what the worker started from; the difference in fp32
+                    delta.copy_(s.to(p.dtype))
+                    delta.sub_(p.detach())
+            weight = self._rank_weight(f)
+            if weight != 1.0:
+                flat.mul_(weight)
+            tau = self.config.overlap
+            start = None
+            if tau:  # where the local progress of the next tau steps starts
+                start = [self.params[i].detach().to(torch.float32, copy=True) for i in members]
+        count = self._backwards[f] % _CHECKED
+        tally = [weight, float(count), float(count * count)]
+        if self._tally_host is not None:
+            self._tally_host[:] = tally
+        else:
+            self._tally.copy_(torch.tensor(tally), non_blocking=True)
+        job = exchange.start(flat, self._tally, self.codec, self.runtime.group)
+        self._pending = _Pending(f, job, start, tau)
+        self._samples_seen[f], self._plain[f], self._backwards[f] = None, 0, 0
+
+    def _merge(self) -> None:
+        """The outer step of the pending fragment; the same on every rank."""
+        assert self.outer is not None and self._pending is not None
+        pending, self._pending = self._pending, None
+        f = pending.fragment
+        flat, tally = pending.job.wait()
+        host = self._tally_host if self._tally_host is not None else tally.cpu().numpy()
+        total, counts, squares = (float(v) for v in host)
+        if self.world_size * squares != counts * counts:
+            raise MisuseError(
+                f"at the sync after step {self.steps} the workers made different numbers of "
+                "backward passes outside no_sync() since the last sync: their steps are no "
+                "longer matched (torch.amp.GradScaler skips step() on the workers whose "
+                "gradient overflowed)\n- help: use gradhub.GradScaler(optimizer), whose "
+                "skipped step counts as an inner step, and the same loop on every rank"
+            )
+        if total <= 0:
+            raise ValueError(
+                "no rank processed any sample since the last sync (set_samples(0) on every "
+                "step of every rank): there is no pseudo-gradient to average"
+            )
+        members = self.fragments[f]
+        with torch.no_grad():
+            if total != 1.0:
+                flat.div_(total)
+            for i in members:
+                offset, size = self._slices[i]
+                self.shared[i].grad = self._flat[offset : offset + size].view_as(self.shared[i])
+            self.outer.step()
+            for k, i in enumerate(members):
+                s, p = self.shared[i], self.params[i]
+                s.grad = None
+                if pending.start is None:
+                    p.copy_(s)
+                else:  # the new shared weights plus the progress made since the start
+                    p.copy_(s + (p.detach().float() - pending.start[k]))
+        buffers = f == 0 and self.world_size > 1 and self.ddp.sync_buffers_at_forward
+        if buffers and self._buffers():
+            self._broadcast(self._buffers(), 0)
+
+    # state ---------------------------------------------------------------------------
+
+    def _refuse_in_flight(self, what: str) -> None:
+        if self._pending is not None:
+            raise MisuseError(
+                f"{what} after step {self.steps}: fragment {self._pending.fragment}'s "
+                f"exchange is in flight (overlap={self.config.overlap}), and its state is "
+                "not saved\n- help: save at a step where no exchange runs: not in the "
+                "overlap steps right after a fragment's sync"
+            )
+
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        """The inner optimizer's state dict plus ``"diloco"``: the shared weights,
+        the outer optimizer's state, the progress since each fragment's last sync.
+        Local."""
+        assert self.optimizer is not None and self.outer is not None
+        self._refuse_in_flight("optimizer.state_dict()")
+        out = self.optimizer.state_dict()
+        out["diloco"] = {
+            "shared": [s.detach().clone() for s in self.shared],
+            "outer": copy.deepcopy(self.outer.state_dict()),
+            "inner_steps_done": self.inner_done,
+            "samples": list(self._samples_seen),
+            "plain_steps": list(self._plain),
+            "backwards": list(self._backwards),
+        }
+        return out
+
+    def load_optimizer_state_dict(self, state: dict[str, Any]) -> None:
+        """Takes a plain optimizer's state dict too (then only the inner part changes)."""
+        assert self.optimizer is not None and self.outer is not None
+        self._refuse_in_flight("optimizer.load_state_dict()")
+        inner = {k: v for k, v in state.items() if k != "diloco"}
+        ours = state.get("diloco")
+        if ours is not None:
+            shared = list(ours["shared"])
+            if len(shared) != len(self.shared):
+                raise ShapeMismatchError(
+                    "optimizer.state_dict()['diloco']['shared']",
+                    f"{len(self.shared)} tensors",
+                    f"{len(shared)} tensors",
+                    "length",
+                )
+            for i, (mine, saved) in enumerate(zip(self.shared, shared, strict=True)):
+                if mine.shape != saved.shape:
+                    raise ShapeMismatchError(f"shared weight {i}", mine.shape, saved.shape)
+            if len(ours["plain_steps"]) != len(self._plain):
+                raise ShapeMismatchError(
+                    "optimizer.state_dict()['diloco']['plain_steps']",
+                    f"{len(self._plain)} fragments",
+                    f"{len(ours['plain_steps'])} fragments",
+                    "length",
+                )
+        load_keeping_objects(self.optimizer, inner)
+        if ours is None:
+            return
+        with torch.no_grad():
+            for mine, saved in zip(self.shared, shared, strict=True):
+                mine.copy_(saved)
+        load_keeping_objects(self.outer, copy.deepcopy(ours["outer"]))
+        self.inner_done = int(ours["inner_steps_done"])
+        self._samples_seen = [None if v is None else float(v) for v in ours["samples"]]
+        self._plain = [int(v) for v in ours["plain_steps"]]
+        self._backwards = [int(v) for v in ours["backwards"]]
+
+    def model_loaded(self) -> None:
+        """The loaded weights become the shared ones (a checkpoint's optimizer
+        state, loaded after the model, then brings the saved shared weights)."""
+        with torch.no_grad():
+            for s, p in zip(self.shared, self.params, strict=True):
+                s.copy_(p)
+
+    def close(self) -> None:
+        """Waits for an exchange in flight (the other ranks take part in it), then
+        releases what :class:`Strategy` holds."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.job.wait()
+        super().close()
+
+
+__all__ = ["DiLoCoStrategy"]
