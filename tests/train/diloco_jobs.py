@@ -159,9 +159,11 @@ def counting_collectives() -> Iterator[dict[str, int]]:
             setattr(owner, name, real)
 
 
-def resumed(rank: int, world: int, steps: int, inner_steps: int) -> dict[str, Any]:
+def resumed(rank: int, world: int, steps: int, inner_steps: int, **options: Any) -> dict[str, Any]:
     """An uninterrupted run, then runs stopped after ``k`` steps (between syncs and
-    at one), saved per rank to bytes, resumed into fresh objects: final weights."""
+    at one), saved per rank to bytes, resumed into fresh objects: final weights.
+    ``options``: more of diloco's (with ``overlap``, a stop right after a sync
+    leaves an exchange in flight)."""
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
     with gradhub.init(timeout=TIMEOUT) as runtime:
@@ -174,6 +176,7 @@ def resumed(rank: int, world: int, steps: int, inner_steps: int) -> dict[str, An
                 strategy="diloco",
                 runtime=runtime,
                 inner_steps=inner_steps,
+                **options,
             )
             return base, model, opt
 

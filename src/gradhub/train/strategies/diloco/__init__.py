@@ -95,8 +95,11 @@ Decisions (DDP's loop, line by line, between syncs):
   optimizer's own state dict (a plain optimizer loads it) plus a
   ``"diloco"`` entry: the shared weights, the outer optimizer's state, the
   inner steps since the last sync and the weight and backward count
-  gathered since then. Neither call communicates (rank 0 alone may call
-  them). Loaded after ``prepare`` on every rank (the model first, then the
+  gathered since each fragment's last sync, and an exchange in flight (with
+  ``overlap``): ``state_dict`` waits for it (every rank started it, so
+  waiting starts nothing) and saves its sum, tally and the weights its
+  merge keeps the progress from. Neither call communicates (rank 0 alone may
+  call them). Loaded after ``prepare`` on every rank (the model first, then the
   optimizer, as ``fit`` does), a worker continues bit for bit as if never
   stopped; for that each rank loads its own file (``fit`` writes one per
   rank), since the inner optimizer's state and the weights between syncs are
@@ -104,9 +107,6 @@ Decisions (DDP's loop, line by line, between syncs):
   the loaded weights the shared ones. A state loaded into the plain
   optimizer before ``prepare`` keeps only the inner part (torch's
   ``load_state_dict`` drops the ``"diloco"`` entry).
-  With ``overlap``, neither call may come while an exchange is in flight
-  (the tau steps after a fragment's sync): a :class:`~gradhub.errors.MisuseError`
-  says so (its state is not saved).
 - :func:`gradhub.check_in_sync` between syncs reports the workers as
   diverged: they are, by design. Right after a sync (of every fragment, with
   ``fragments=1``) it passes.

@@ -241,21 +241,50 @@ class DiLoCoStrategy(Strategy):
 
     # state ---------------------------------------------------------------------------
 
-    def _refuse_in_flight(self, what: str) -> None:
-        if self._pending is not None:
-            raise MisuseError(
-                f"{what} after step {self.steps}: fragment {self._pending.fragment}'s "
-                f"exchange is in flight (overlap={self.config.overlap}), and its state is "
-                "not saved\n- help: save at a step where no exchange runs: not in the "
-                "overlap steps right after a fragment's sync"
-            )
+    def _pending_state(self) -> dict[str, Any] | None:
+        """The exchange in flight, waited for (it was started on every rank; waiting
+        starts nothing): its fragment, steps to go, summed pseudo-gradient and
+        tally, and where the local progress started."""
+        pending = self._pending
+        if pending is None:
+            return None
+        flat, tally = pending.job.wait()
+        host = self._tally_host if self._tally_host is not None else tally.cpu().numpy()
+        return {
+            "fragment": pending.fragment,
+            "remaining": pending.remaining,
+            "sum": flat.detach().clone(),
+            "tally": [float(v) for v in host],
+            "start": None if pending.start is None else [t.clone() for t in pending.start],
+        }
+
+    def _load_pending(self, saved: dict[str, Any] | None) -> None:
+        if self._pending is not None:  # its sum is about to land in the flat buffer
+            self._pending.job.wait()
+        if saved is None:
+            self._pending = None
+            return
+        f = int(saved["fragment"])
+        lo, hi = self._span(f)
+        flat = self._flat[lo:hi]
+        if saved["sum"].shape != flat.shape:
+            raise ShapeMismatchError("the pending exchange's sum", flat.shape, saved["sum"].shape)
+        with torch.no_grad():
+            flat.copy_(saved["sum"])
+        if self._tally_host is not None:
+            self._tally_host[:] = saved["tally"]
+        else:
+            self._tally.copy_(torch.tensor(saved["tally"]))
+        start = saved["start"]
+        start = None if start is None else [t.clone() for t in start]
+        job = exchange.Exchange(flat, self._tally, [])
+        self._pending = _Pending(f, job, start, int(saved["remaining"]))
 
     def optimizer_state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state dict plus ``"diloco"``: the shared weights,
-        the outer optimizer's state, the progress since each fragment's last sync.
-        Local."""
+        the outer optimizer's state, the progress since each fragment's last sync,
+        an exchange in flight (waited for). Local."""
         assert self.optimizer is not None and self.outer is not None
-        self._refuse_in_flight("optimizer.state_dict()")
         out = self.optimizer.state_dict()
         out["diloco"] = {
             "shared": [s.detach().clone() for s in self.shared],
@@ -264,13 +293,13 @@ class DiLoCoStrategy(Strategy):
             "samples": list(self._samples_seen),
             "plain_steps": list(self._plain),
             "backwards": list(self._backwards),
+            "pending": self._pending_state(),
         }
         return out
 
     def load_optimizer_state_dict(self, state: dict[str, Any]) -> None:
         """Takes a plain optimizer's state dict too (then only the inner part changes)."""
         assert self.optimizer is not None and self.outer is not None
-        self._refuse_in_flight("optimizer.load_state_dict()")
         inner = {k: v for k, v in state.items() if k != "diloco"}
         ours = state.get("diloco")
         if ours is not None:
@@ -303,6 +332,7 @@ class DiLoCoStrategy(Strategy):
         self._samples_seen = [None if v is None else float(v) for v in ours["samples"]]
         self._plain = [int(v) for v in ours["plain_steps"]]
         self._backwards = [int(v) for v in ours["backwards"]]
+        self._load_pending(ours.get("pending"))
 
     def model_loaded(self) -> None:
         """The loaded weights become the shared ones (a checkpoint's optimizer
