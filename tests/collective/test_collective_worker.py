@@ -67,3 +67,45 @@ def test_a_thread_in_another_torch_state_hands_the_operation_to_the_worker() -> 
             assert worker.call("op", 10, torch.is_inference_mode_enabled) is False
     finally:
         worker.shutdown()
+
+
+def test_a_group_of_one_rank_runs_a_submitted_operation_at_once_in_place() -> None:
+    worker = Worker(0, alone=True)
+    try:
+        with torch.no_grad():  # as in a backward hook: the body still runs with grad on
+            future = worker.submit(
+                "op", 10, lambda: (threading.get_ident(), torch.is_grad_enabled())
+            )
+        assert future.done()
+        assert future.wait() == (threading.get_ident(), True)
+        failed = worker.submit("bad", 10, lambda: 1 / 0)
+        assert failed.done()
+        try:
+            failed.wait()
+        except ZeroDivisionError:
+            pass
+        else:
+            raise AssertionError("the operation's error must come from wait()")
+    finally:
+        worker.shutdown()
+
+
+def test_a_group_of_one_rank_queues_behind_an_operation_still_running() -> None:
+    worker = Worker(0, alone=True)
+    release, order = threading.Event(), []
+
+    def first() -> None:
+        assert release.wait(10)
+        order.append("first")
+
+    try:
+        with torch.inference_mode():  # not a fresh thread's state: on the worker
+            slow = worker.submit("first", 10, first)
+        later = worker.submit("second", 10, lambda: order.append("second"))
+        assert not later.done()
+        release.set()
+        slow.wait()
+        later.wait()
+        assert order == ["first", "second"]
+    finally:
+        worker.shutdown()

@@ -137,7 +137,7 @@ class CollectiveGroup:
         self._owns = owns_process_group
         self._sequence = 0
         self._lock = threading.Lock()
-        self._worker = Worker(self.rank)
+        self._worker = Worker(self.rank, alone=self.world_size == 1)
         self._broken: str | None = None
         self._closed = False
         self._scratch: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}

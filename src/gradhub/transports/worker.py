@@ -28,11 +28,12 @@ from gradhub.transports.operation import CollectiveFuture
 T = TypeVar("T")
 
 
-def _fresh_thread_state() -> bool:
+def _fresh_thread_state(*, but_grad: bool = False) -> bool:
     """Whether this thread's torch state is that of a new thread (the worker's):
-    grad on, no inference mode, autocast or torch function or dispatch modes."""
+    grad on (unless ``but_grad``), no inference mode, autocast or torch function
+    or dispatch modes."""
     return (
-        torch.is_grad_enabled()
+        (but_grad or torch.is_grad_enabled())
         and not torch.is_inference_mode_enabled()
         and not torch.is_autocast_enabled("cpu")
         and torch._C._len_torch_function_stack() == 0
@@ -41,17 +42,30 @@ def _fresh_thread_state() -> bool:
 
 
 class Worker:
-    """The worker of the group of ``rank`` (the name of its thread)."""
+    """The worker of the group of ``rank`` (the name of its thread); ``alone``:
+    the group has one rank (see :meth:`submit`)."""
 
-    def __init__(self, rank: int):
+    def __init__(self, rank: int, *, alone: bool = False):
         self._rank = rank
+        self._alone = alone
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()  # guards _queued and the choice to run in place
         self._queued = 0  # submitted and not finished
         self._running = threading.Lock()  # held while an operation runs
 
     def submit(self, name: str, timeout: float, fn: Callable[[], T]) -> CollectiveFuture[T]:
-        """Run ``fn`` on the worker thread, after every operation submitted before it."""
+        """Run ``fn`` on the worker thread, after every operation submitted before it.
+
+        In a group of one rank no other rank is there to keep in step: ``fn``
+        runs at once on the calling thread where nothing is queued or running
+        and the thread's state is a fresh thread's but for grad mode (a backward
+        hook runs with it off; ``fn`` runs with it on, as on the worker), and the
+        future returned is done. That saves two thread hand-offs per operation.
+        """
+        if self._alone:
+            done = self._here(name, timeout, fn)
+            if done is not None:
+                return done
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix=f"gradhub-collective-r{self._rank}"
@@ -75,6 +89,27 @@ class Worker:
             with self._lock:
                 self._queued -= 1
             raise
+        return future
+
+    def _here(self, name: str, timeout: float, fn: Callable[[], T]) -> CollectiveFuture[T] | None:
+        """``fn`` run on the calling thread, as a done future; ``None`` if it may not."""
+        with self._lock:
+            here = (
+                self._queued == 0
+                and _fresh_thread_state(but_grad=True)
+                and self._running.acquire(False)
+            )
+        if not here:
+            return None
+        future: CollectiveFuture[T] = CollectiveFuture(name, timeout)
+        try:
+            future._mark_started()
+            with torch.enable_grad():
+                future._future.set_result(fn())
+        except BaseException as exc:
+            future._future.set_exception(exc)
+        finally:
+            self._running.release()
         return future
 
     def call(self, name: str, timeout: float, fn: Callable[[], T]) -> T:
