@@ -334,11 +334,13 @@ def streaming(rank: int, world: int, steps: int) -> dict[str, Any]:
         "blocking": {"inner_steps": 3, "fragments": 1, "overlap": 0, "compress": "none"},
         "bf16": {"inner_steps": 4, "fragments": 2, "overlap": 1, "compress": "bf16"},
         "fp4": {"inner_steps": 4, "fragments": 2, "overlap": 0, "compress": "fp4"},
+        "weighted": {"inner_steps": 4, "fragments": 2, "overlap": 1, "compress": "fp4"},
     }
     out: dict[str, Any] = {}
     real_start = exchange.start
     with gradhub.init(timeout=TIMEOUT) as runtime:
         for name, options in runs.items():
+            weighted = name == "weighted"  # set_samples: rank 0 5 per step, rank 1 3
             started: list[tuple[int, int]] = []  # (step, elements) of each exchange
             current: list[Any] = []  # the model of this run
 
@@ -359,7 +361,7 @@ def streaming(rank: int, world: int, steps: int) -> dict[str, Any]:
                     per_step = []
                     for step in range(steps):
                         before = counts.get("group.submit", 0)
-                        loop(model, opt, rank, range(step, step + 1))
+                        loop(model, opt, rank, range(step, step + 1), samples=weighted)
                         per_step.append(counts.get("group.submit", 0) - before)
                 out[name] = {
                     "params": arrays(base.parameters()),
@@ -373,22 +375,33 @@ def streaming(rank: int, world: int, steps: int) -> dict[str, Any]:
                 exchange.start = real_start  # type: ignore[assignment]
             h, f, tau = options["inner_steps"], options["fragments"], options["overlap"]
             codec = options.get("compress", "none")
-            out[name]["reference"] = streaming_by_hand(world, steps, h, f, tau, codec)
+            out[name]["reference"] = streaming_by_hand(
+                world, steps, h, f, tau, codec, samples=weighted
+            )
     return out
 
 
 def streaming_by_hand(
-    world: int, steps: int, inner_steps: int, count: int, tau: int, compress: str
+    world: int,
+    steps: int,
+    inner_steps: int,
+    count: int,
+    tau: int,
+    compress: str,
+    *,
+    samples: bool = False,
 ) -> tuple[Arrays, Arrays]:
     """Streaming DiLoCo written out: ``world`` plain workers (:func:`mlp`, SGD with
-    momentum inside, 4 samples each per step, weight 1); fragment ``f`` (the
-    parameters :func:`~gradhub.train.strategies.diloco.fragments.cut` gives) starts
-    its sync after step ``n`` with ``n % H == f * H // F``: each worker's
-    ``shared - local``, through ``decode(encode(.))`` for a codec, summed in rank
-    order, divided by ``world``, Nesterov SGD (lr 0.7, momentum 0.9) on the
-    fragment's shared weights ``tau`` steps later, when each worker's fragment
-    becomes ``shared + (local - local at the start)``. Returns (worker 0's
-    weights, the shared weights)."""
+    momentum inside, 4 samples each per step and weight 1, or with ``samples``
+    :func:`share`'s and the samples since the fragment's sync started as the
+    weight); fragment ``f`` (the parameters that
+    :func:`~gradhub.train.strategies.diloco.fragments.cut` gives) starts its sync
+    after step ``n`` with ``n % H == f * H // F``: each worker's
+    ``shared - local`` times its weight, through ``decode(encode(.))`` for a
+    codec, summed in rank order, divided by the summed weights, Nesterov SGD
+    (lr 0.7, momentum 0.9) on the fragment's shared weights ``tau`` steps later,
+    when each worker's fragment becomes ``shared + (local - local at the
+    start)``. Returns (worker 0's weights, the shared weights)."""
     from gradhub import codecs
     from gradhub.train.strategies.diloco.fragments import cut
 
@@ -399,11 +412,14 @@ def streaming_by_hand(
     momentum: list[torch.Tensor | None] = [None] * len(shared)
     groups = cut([p.numel() for p in shared], count)
     codec = None if compress == "none" else codecs.get(compress, for_="diloco")
-    pending: tuple[int, int, Any, Any] | None = None  # (fragment, merge step, sum, starts)
+    pending: tuple[int, int, Any, Any, float] | None = None  # fragment, step, sum, starts, W
+    seen = [[0] * world for _ in range(count)]  # samples since each fragment's sync
 
-    def merge(f: int, summed: list[torch.Tensor], starts: list[list[torch.Tensor]]) -> None:
+    def merge(
+        f: int, summed: list[torch.Tensor], starts: list[list[torch.Tensor]], weight: float
+    ) -> None:
         for k, i in enumerate(groups[f]):
-            average = summed[k] / float(world) if world != 1 else summed[k]
+            average = summed[k] / weight if weight != 1.0 else summed[k]
             buf = momentum[i]
             if buf is None:
                 buf = momentum[i] = average.clone()
@@ -416,10 +432,13 @@ def streaming_by_hand(
 
     for step in range(1, steps + 1):
         for r, (w, o) in enumerate(zip(workers, opts, strict=True)):
-            loop(w, _Plain(o), r, range(step - 1, step))
+            loop(w, _Plain(o), r, range(step - 1, step), n=share(r) if samples else 4)
+            for f in range(count):
+                seen[f][r] += share(r)
         with torch.no_grad():
             if pending is not None and pending[1] == step:
-                merge(pending[0], pending[2], pending[3])
+                fragment, _, summed, starts, weight = pending
+                merge(fragment, summed, starts, weight)
                 pending = None
             for f in range(count):
                 if step % inner_steps != f * inner_steps // count:
@@ -429,6 +448,9 @@ def streaming_by_hand(
                     torch.cat([(shared[i] - params[r][i]).reshape(-1) for i in groups[f]])
                     for r in range(world)
                 ]
+                weights = [float(n) if samples else 1.0 for n in seen[f]]
+                seen[f] = [0] * world
+                deltas = [d * k if k != 1.0 else d for d, k in zip(deltas, weights, strict=True)]
                 if codec is not None:
                     deltas = [codec.decode(codec.encode(d)) for d in deltas]
                 total = deltas[0].clone()
@@ -440,7 +462,7 @@ def streaming_by_hand(
                 ]
                 starts = [[params[r][i].detach().clone() for i in groups[f]] for r in range(world)]
                 if tau == 0:
-                    merge(f, summed, starts)
+                    merge(f, summed, starts, sum(weights))
                 else:
-                    pending = (f, step + tau, summed, starts)
+                    pending = (f, step + tau, summed, starts, sum(weights))
     return arrays(params[0]), arrays(shared)

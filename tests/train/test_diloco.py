@@ -303,15 +303,17 @@ def test_each_fragment_syncs_once_per_period_at_its_offset(streamed: list[Any]) 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("run", ["fragments", "blocking", "bf16", "fp4"])
+@pytest.mark.parametrize("run", ["fragments", "blocking", "bf16", "fp4", "weighted"])
 def test_streaming_runs_are_the_hand_computation_on_every_rank(
     streamed: list[Any], run: str
 ) -> None:
     """Every run against ``streaming_by_hand`` with the world of 2 bit for bit (the
     ring adds rank 0's term and rank 1's as the hand does; the codecs' terms are
     decoded and added in rank order); the shared weights are the same bits on both
-    ranks. ``blocking`` (F = 1, overlap 0, compress "none" given) is also the plain
-    ``diloco`` hand computation (``by_hand``) bit for bit."""
+    ranks. ``weighted``: fp4, overlap 1 and ``set_samples`` (each pseudo-gradient
+    weighted by the samples since its fragment's sync started). ``blocking``
+    (F = 1, overlap 0, compress "none" given) is also the plain ``diloco`` hand
+    computation (``by_hand``) bit for bit."""
     for v in streamed:
         want, want_shared = v[run]["reference"]
         _same(v[run]["shared"], want_shared)
