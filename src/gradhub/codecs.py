@@ -54,7 +54,9 @@ FP16_MAX = 65504.0
 class Codec(abc.ABC):
     """Contract: ``decode(encode(x))`` is an fp32 tensor of ``x``'s shape whose
     elements differ from ``x`` by at most ``relative_error * |x|`` (for values in
-    the codec's normal range). ``encode`` never modifies its input."""
+    the codec's normal range; a tensor codec, :attr:`elementwise` ``False``,
+    states its own bound: :class:`FP4`'s depends on each block's largest value).
+    ``encode`` never modifies its input."""
 
     name: str
     wire_dtype: torch.dtype
