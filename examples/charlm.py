@@ -18,7 +18,9 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import random
+import sys
 from typing import Any
 
 import torch
@@ -26,6 +28,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 import gradhub
+from gradhub.errors import RunFolderExistsError
 
 _SUBJECTS = ["the cat", "a dog", "my friend", "the old man", "a small bird", "the teacher"]
 _VERBS = ["sees", "likes", "finds", "follows", "draws", "remembers"]
@@ -134,4 +137,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except RunFolderExistsError as exc:  # a second run into --run-dir: one line
+        if os.environ.get("RANK", "0") == "0":  # every rank raises it; rank 0 says so
+            print(f"charlm.py: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        sys.exit(2)

@@ -13,20 +13,26 @@ Every process runs this same script; ``gradhub.init()`` reads the launcher's
 environment and ``fit`` splits each batch over the processes and puts each
 part where the model is (``--device``: this rank's GPU where CUDA is, else the CPU). With
 ``--max-restarts``, give a ``--run-dir`` of your own: restarted workers resume
-from the checkpoints in it (the default folder's name holds the start time,
-which a restarted worker does not share).
+from the checkpoints in it (the default folder, ``runs/train_digits-TIME``, is
+named by rank 0's clock when the ranks start, the same folder for every rank
+of one attempt, but another one after a restart). Running again into a run
+folder that holds a run, finished or killed, is an error (also under
+``--max-restarts``, on every attempt); ``--resume`` continues it.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import sys
 import time
 
 import torch
 from sklearn.datasets import load_digits
 
 import gradhub
+from gradhub.errors import RunFolderExistsError, SecretFileError
 from gradhub.ps.config import read_secret_file
 
 
@@ -42,13 +48,14 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument(
         "--run-dir",
-        default=time.strftime("runs/train_digits-%Y%m%d-%H%M%S"),
-        help="metrics (gradhub plot it); a new folder, or the old one with --resume",
+        help="metrics (gradhub plot it); a new folder, or the old one with --resume "
+        "(default: runs/train_digits-TIME)",
     )
     p.add_argument("--checkpoint-dir", help="write checkpoints here")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args()
+    secret = read_secret_file(args.secret_file) if args.secret_file else None
 
     runtime = gradhub.init()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
@@ -64,8 +71,8 @@ def main() -> None:
     model.to(runtime.local_device(args.device))  # cuda: the GPU LOCAL_RANK picks
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     options: dict[str, object] = {"servers": args.servers} if args.servers else {}
-    if args.secret_file:
-        options["secret"] = read_secret_file(args.secret_file)
+    if secret is not None:
+        options["secret"] = secret
     if args.compress:
         options["compress"] = args.compress
     if args.compress == "powersgd":
@@ -78,7 +85,7 @@ def main() -> None:
             eval_data=(x[test], y[test]),
             epochs=args.epochs,
             batch_size=args.batch_size,
-            run_dir=args.run_dir,
+            run_dir=args.run_dir or default_run_dir(runtime),
             checkpoint_dir=args.checkpoint_dir,
             resume=args.resume,
         )
@@ -93,5 +100,17 @@ def main() -> None:
     runtime.close()
 
 
+def default_run_dir(runtime: gradhub.Runtime) -> str:
+    """``runs/train_digits-TIME`` by rank 0's clock, one folder for every rank."""
+    start = torch.tensor([time.time() if runtime.is_main else 0.0], dtype=torch.float64)
+    start = runtime.all_reduce_sum(start, where="the run folder's name")
+    return time.strftime("runs/train_digits-%Y%m%d-%H%M%S", time.localtime(start.item()))
+
+
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (RunFolderExistsError, SecretFileError) as exc:  # one line, not a traceback
+        if os.environ.get("RANK", "0") == "0":  # every rank raises it; rank 0 says so
+            print(f"train_digits.py: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        sys.exit(2)

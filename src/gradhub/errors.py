@@ -214,3 +214,15 @@ class DevicePlacementError(GradhubError, ValueError):
     """A model on a device the job's process group cannot carry (a CPU model on
     NCCL alone, a CUDA model on a CPU-only backend such as ``"gradhub"``), or on
     another GPU than this rank's; the message says which group or device to use."""
+
+
+class RunFolderExistsError(GradhubError, FileExistsError):
+    """``fit(run_dir=...)`` was given a run folder that already holds the metrics
+    of a run (a finished or a killed one), without ``resume=True``; the message
+    names the folder. Raised on every rank before training starts, also on
+    every attempt of a job that torchrun's agent restarts."""
+
+
+class SecretFileError(GradhubError, OSError):
+    """A shared-secret file (``--secret-file``) that is missing, unreadable or
+    empty; the message names the file."""

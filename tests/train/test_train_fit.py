@@ -18,6 +18,7 @@ from torch.utils.data import (
 
 import gradhub
 from fit_jobs import clipped_reference, data, fit_kinds, mlp
+from gradhub.errors import RunFolderExistsError
 from gradhub.train.checkpoint import CheckpointDir
 from gradhub.train.metrics import read_metrics
 from harness import run_ranks
@@ -178,11 +179,17 @@ def test_fit_checkpoints_and_resumes_on_its_own_when_torchrun_may_restart_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """torchrun's agent says in the workers' environment how many restarts it
-    allows and which attempt this is (``gradhub run --max-restarts 1``)."""
+    allows and which attempt this is (``gradhub run --max-restarts 1``), and
+    keeps its store, which the workers join, for every attempt of the job."""
     x, y = data()  # 24 samples in batches of 8: 3 steps per epoch
     run = tmp_path / "run"
+    agent = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    launcher = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    for name, value in {**launcher, "TORCHELASTIC_USE_AGENT_STORE": "True"}.items():
+        monkeypatch.setenv(name, value)
 
     def attempt(restart: int, epochs: int, **settings: object) -> gradhub.FitResult:
+        monkeypatch.setenv("MASTER_PORT", str(agent.port))
         monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
         monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(restart))
         model = mlp()
@@ -205,6 +212,11 @@ def test_fit_checkpoints_and_resumes_on_its_own_when_torchrun_may_restart_it(
     records = read_metrics(run)[0]
     assert [(r["restart"], r["step"]) for r in records if r["kind"] == "restart"] == [(1, 6)]
     assert records[-1]["kind"] == "summary" and records[-1]["restarts"] == 1
+    # Another job (another agent) into the same folder: no earlier attempt of it
+    # started the run, so its restarted workers refuse the folder as its first did.
+    agent = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    with pytest.raises(RunFolderExistsError, match="already holds the metrics of a run"):
+        attempt(1, 4)
 
     # Automatic checkpoints turned off: a restart starts over, as under plain torchrun.
     with caplog.at_level("WARNING", logger="gradhub.train.fit"):

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from gradhub.errors import GradhubError
+from gradhub.errors import GradhubError, RunFolderExistsError
 
 
 @dataclass(frozen=True)
@@ -197,7 +197,14 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    rows = [STRATEGIES[name](args) for name in (args.strategy or list(STRATEGIES))]
+    names = args.strategy or list(STRATEGIES)
+    used = [n for n in names if args.run_dir and any((args.run_dir / n).glob("metrics.rank*"))]
+    if used:  # before any row trains; fit would refuse each of them, one job at a time
+        raise RunFolderExistsError(
+            f"run folder {args.run_dir} already holds the metrics of {', '.join(used)}\n"
+            "- help: give a new --run-dir, or leave it out (runs/demo-TIME)"
+        )
+    rows = [STRATEGIES[name](args) for name in names]
     print(
         f"{'strategy':<10} {'workers':>7} {'test acc':>9} {'wall s':>7} {'samples/s':>10}  detail"
     )

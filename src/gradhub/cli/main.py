@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from gradhub._version import __version__
+from gradhub.errors import GradhubError
 
 _COMMANDS = ("demo", "plot", "run", "serve")
 
@@ -31,13 +32,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; a :class:`~gradhub.errors.GradhubError` (a run folder in
+    use, a missing secret file, ...) is one line on stderr and exit status 2."""
     parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    code: int = args.handler(args)
+    words = sys.argv[1:] if argv is None else list(argv)
+    command = next((f"{parser.prog} {w}" for w in words if w in _COMMANDS), parser.prog)
+    try:
+        args = parser.parse_args(words)  # reading a --secret-file may raise
+        logging.basicConfig(
+            level=logging.DEBUG if args.verbose else logging.INFO,
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        )
+        code: int = args.handler(args)
+    except GradhubError as exc:
+        print(f"{command}: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
     return code
 
 

@@ -21,7 +21,16 @@ _SKIP = ("name",)
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("serve", help="run a parameter server (ZeroMQ)")
+    p = sub.add_parser(
+        "serve",
+        help="run a parameter server (ZeroMQ)",
+        description="Run one parameter-server process until SIGTERM or Ctrl-C: workers "
+        "(RemoteParameterServer, the ps-* strategies) init, push and pull keys at --bind. "
+        "The optimizer of every key is the workers' (the one their init brings) unless "
+        "--optimizer, --lr or --momentum fix it here; then a worker whose optimizer "
+        "differs fails with OptimizerMismatchError. Anything but a loopback --bind needs "
+        "--secret-file.",
+    )
     add_config_flags(p, ServerConfig, skip=_SKIP, defaults={"bind": "tcp://127.0.0.1:5555"})
     p.set_defaults(handler=run)
 

@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gradhub.errors import SecretFileError
 from gradhub.optim import OptimizerSpec
 from gradhub.ps.consistency import MODES
 from gradhub.ps.protocol import DEFAULT_MAX_PAYLOAD
@@ -59,10 +60,18 @@ def secret_bytes(secret: str | bytes | None) -> bytes | None:
 
 
 def read_secret_file(path: str | Path) -> bytes:
-    """The secret in ``path``, through :func:`secret_bytes` (whitespace stripped)."""
-    data = secret_bytes(Path(path).read_bytes())
+    """The secret in ``path``, through :func:`secret_bytes` (whitespace stripped).
+
+    A missing, unreadable or empty file is a :class:`~gradhub.errors.SecretFileError`."""
+    try:
+        data = secret_bytes(Path(path).read_bytes())
+    except OSError as exc:
+        raise SecretFileError(
+            f"cannot read the secret file {path}: {exc.strerror or exc}\n"
+            "- help: give a file that holds the servers' shared secret (--secret-file)"
+        ) from exc
     if data is None:
-        raise ValueError(f"secret file {path} is empty; put a shared secret in it")
+        raise SecretFileError(f"secret file {path} is empty; put a shared secret in it")
     return data
 
 
@@ -104,7 +113,10 @@ class ServerConfig:
     or ``None``, and ``lr``/``momentum`` are ``None``."""
 
     lr: float | None = None
-    """Learning rate of a named optimizer (default 0.01); alone, it fixes SGD."""
+    """Learning rate of a named optimizer (default 0.01). Alone, without an
+    optimizer name, it fixes plain SGD at this rate, momentum 0 unless momentum
+    is given too: workers whose optimizer differs (SGD with momentum 0.9, say)
+    fail with OptimizerMismatchError."""
 
     momentum: float | None = None
     """Momentum of a named optimizer (SGD, RMSprop)."""

@@ -26,6 +26,9 @@ metric are: :mod:`gradhub.train.losses`; the settings: :mod:`gradhub.train.fit_c
   state is in the checkpoints and is restored on resume.
 - A run folder that already has metrics is an error unless ``resume=True``
   (then the metrics continue the same files): a new run goes in a new folder.
+  The error (:class:`~gradhub.errors.RunFolderExistsError`) comes on every rank
+  and on every attempt of a job the agent restarts, unless an earlier attempt
+  of the same job started the folder (below).
 - A resumed job that had already finished returns the metrics of its last
   epoch (stored in the checkpoint), not NaN.
 - ``resume=True`` continues from the latest checkpoint that every rank of the
@@ -40,7 +43,9 @@ Restarts (torchrun's elastic agent, ``gradhub run --max-restarts N``):
   ``run_dir/checkpoints`` when none is given, at the end of every epoch (or
   every ``checkpoint_every`` steps).
 - A restarted worker (``TORCHELASTIC_RESTART_COUNT`` > 0) resumes as with
-  ``resume=True``, and continues the metrics files. Newer checkpoint files
+  ``resume=True``, and continues the metrics files, where an earlier attempt
+  of this job started the run folder (a key in the store torchrun's agent
+  keeps for the job). Newer checkpoint files
   (written before the failure by some ranks only) are deleted, so a later
   restart cannot mix them with the files written again.
 - Under ``ps-*`` the servers hold the parameters and the optimizer state, and
@@ -69,6 +74,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from gradhub.errors import RunFolderExistsError
 from gradhub.train.checkpoint import CheckpointDir
 from gradhub.train.data import Source, Step, to_device
 from gradhub.train.fit_config import FitConfig, FitResult
@@ -76,6 +82,7 @@ from gradhub.train.grad_scaler import GradScaler
 from gradhub.train.logs import rank_logger
 from gradhub.train.losses import LossFn, Metric, Stats, detach, inputs_of
 from gradhub.train.metrics import MetricsWriter, metrics_file
+from gradhub.transports.stores import job_store
 
 if TYPE_CHECKING:
     from gradhub.runtime import Runtime
@@ -143,18 +150,24 @@ class FitRun:
         return folder, cfg.resume or (rt.restart > 0 and folder is not None)
 
     def _check_run_dir(self) -> None:
-        used = 0.0
-        # A restarted worker continues the metrics of the attempt before it.
-        if self.cfg.run_dir is not None and not self.cfg.resume and not self.rt.restart:
-            used = float(
-                any(metrics_file(self.cfg.run_dir, r).exists() for r in range(self.rt.world_size))
-            )
+        """A run folder that holds a run is refused unless ``resume=True``. A
+        restarted worker continues the metrics only where an earlier attempt of
+        this job started them (noted in the job's store): a second job into the
+        folder of a finished one is refused on every attempt, not resumed."""
+        run_dir, used = self.cfg.run_dir, 0.0
+        jobs = job_store(self.rt.store)
+        started = f"fit/started/{run_dir.resolve()}" if run_dir is not None else ""
+        continued = self.rt.restart > 0 and run_dir is not None and jobs.check([started])
+        if run_dir is not None and not self.cfg.resume and not continued:
+            used = float(any(metrics_file(run_dir, r).exists() for r in range(self.rt.world_size)))
         flag = self.rt.all_reduce_sum(torch.tensor([used]), where="run folder check")
         if flag.item() > 0:
-            raise FileExistsError(
-                f"run folder {self.cfg.run_dir} already holds the metrics of a run\n"
+            raise RunFolderExistsError(
+                f"run folder {run_dir} already holds the metrics of a run\n"
                 "- help: give a new run_dir, or resume=True (with checkpoint_dir) to continue it"
             )
+        if run_dir is not None:
+            jobs.set(started, "1")
 
     # checkpoints -------------------------------------------------------------------
 

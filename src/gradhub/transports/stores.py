@@ -65,6 +65,19 @@ def store_name(store: dist.Store | None) -> str:
     return f"the c10d store ({type(store).__name__})"
 
 
+def job_store(store: dist.Store) -> dist.Store:
+    """The store beneath ``store``'s prefixes, under a ``gradhub/job/`` prefix.
+
+    Under torchrun that is the store its agent hosts for the whole job and
+    keeps across restarts, while each attempt's groups use prefixes of their own
+    (:func:`gradhub.runtime.init_process_group_from_env`): what one attempt
+    writes here, a restarted attempt reads.
+    """
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return dist.PrefixStore("gradhub/job/", store)
+
+
 def is_timeout(exc: BaseException) -> bool:
     text = str(exc).lower()
     return "timed out" in text or "timeout" in text
