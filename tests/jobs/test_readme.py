@@ -26,7 +26,7 @@ COUNTS = {
     "launched": 8,  # python, the new side of two diffs, DiLoCo: torchrun --nproc-per-node 2
     "commands": 3,  # gradhub serve, gradhub run, torchrun, python examples/...
     "elsewhere": 3,  # multi-node, the trainers, the --max-restarts rerun
-    "not run": 4,  # make, a worker across machines, two lines of a diff, a file tree
+    "not run": 5,  # make, a worker across machines, two lines of a diff, a file tree, DiLoCo LM
 }
 
 ALL = blocks()

@@ -41,3 +41,36 @@ def test_plot_axes_follow_the_data(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert low < 0.3 and 0.5 < high < 0.6  # from the data (it was fixed at 0.8-1.0)
     assert all(t == int(t) for t in acc.get_xticks())
     assert eval_loss.get_title() == "eval_data loss" and acc.get_title() == "eval_data accuracy"
+
+
+def test_eval_records_add_loss_against_samples_and_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, per_step in (("allreduce", 1000.0), ("diloco", 20.0)):
+        lines = [{"kind": "step", "step": s, "loss": 3.0 / s} for s in (1, 10, 20)]
+        lines += [
+            {
+                "kind": "eval",
+                "step": s,
+                "samples": 8 * s,
+                "bytes_sent": per_step * (s - 1),
+                "eval_loss": 3.0 / s,
+            }
+            for s in (1, 10, 20)
+        ]
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.rank0.jsonl").write_text(
+            "\n".join(json.dumps(x) for x in lines)
+        )
+    import matplotlib.figure
+
+    saved: list[matplotlib.figure.Figure] = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: saved.append(fig))
+    plot_run(tmp_path)
+    _, by_samples, by_bytes = saved[0].axes  # no epochs: no epoch panels
+    assert by_samples.get_xlabel() == "samples seen"
+    assert by_bytes.get_xlabel() == "bytes sent per worker" and by_bytes.get_xscale() == "log"
+    curves = {line.get_label(): line for line in by_bytes.lines}
+    assert list(curves["diloco"].get_xdata()) == [180.0, 380.0]  # none sent yet: left out
+    assert list(curves["allreduce"].get_ydata()) == [0.3, 0.15]
+    assert [x for (x,) in [line.get_xdata()[-1:] for line in by_samples.lines]] == [160, 160]

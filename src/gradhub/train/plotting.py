@@ -3,7 +3,13 @@
 A run folder holds ``metrics.rank<r>.jsonl`` files (one job) or sub-folders
 that do (one job each, e.g. one per strategy in ``gradhub demo``). The figure
 has three panels: training loss per step (rank 0), and the loss and accuracy
-on ``eval_data`` per epoch; one curve per job.
+on ``eval_data`` per epoch; one curve per job. Jobs that log ``"eval"``
+records (``step``, ``samples``, ``bytes_sent``, ``eval_loss``: a script's own
+loop, as ``examples/diloco_lm.py``) add two panels: the validation loss
+against the samples seen and against the bytes each worker sent (log scale:
+records with none sent yet are left out), the figure that compares
+strategies by what they cost the link; the epoch panels are then left out
+where no job has epochs.
 
 Decisions: every axis takes its range from the data (log scale for a loss
 only when all its values are positive); epoch axes have whole-number ticks; a
@@ -43,6 +49,12 @@ def segments(records: list[dict[str, Any]], key: str) -> list[list[dict[str, Any
     return out
 
 
+def _evals(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ``"eval"`` records that hold a validation loss, samples and bytes sent."""
+    keys = ("eval_loss", "samples", "bytes_sent")
+    return [r for r in records if r["kind"] == "eval" and all(r.get(k) is not None for k in keys)]
+
+
 def _draw(ax: Any, parts: list[list[tuple[float, float]]], name: str, **style: Any) -> None:
     color = None
     for i, part in enumerate(parts):
@@ -76,7 +88,15 @@ def plot_run(run_dir: Path, output: Path | None = None) -> Path:
         )
     from matplotlib.ticker import MaxNLocator
 
-    fig, (ax_loss, ax_eval_loss, ax_acc) = plt.subplots(1, 3, figsize=(15, 4.2))
+    evals = {name: _evals(ranks[min(ranks)]) for name, ranks in jobs.items()}
+    by_cost = any(evals.values())
+    by_epoch = not by_cost or any(
+        r["kind"] == "epoch" for ranks in jobs.values() for r in ranks[min(ranks)]
+    )
+    count = 1 + 2 * by_epoch + 2 * by_cost
+    fig, axes = plt.subplots(1, count, figsize=(5 * count, 4.2), squeeze=False)
+    ax_loss, *rest = axes[0]
+    ax_eval_loss, ax_acc = rest[:2] if by_epoch else (None, None)
     losses: list[float] = []
     restarted = False
     for name, ranks in jobs.items():
@@ -90,6 +110,14 @@ def plot_run(run_dir: Path, output: Path | None = None) -> Path:
             ax_loss.axvline(r["step"], ls=":", lw=1.0, color="0.4", label=label)
             restarted = True
         losses += [r["loss"] for r in steps]
+        if by_cost:
+            losses += [r["eval_loss"] for r in evals[name]]
+            for ax, key in zip(rest[-2:], ("samples", "bytes_sent"), strict=True):
+                kept = [r for r in evals[name] if r[key] > 0]  # a log axis for the bytes
+                parts = [[(r[key], r["eval_loss"]) for r in p] for p in segments(kept, "step")]
+                _draw(ax, parts, name, marker=".")
+        if ax_eval_loss is None or ax_acc is None:
+            continue
         for ax, key in ((ax_eval_loss, "eval_loss"), (ax_acc, "eval_accuracy")):
             kept = [r for r in epochs if r.get(key) is not None]
             parts = [[(r["epoch"] + 1, r[key]) for r in part] for part in segments(kept, "epoch")]
@@ -98,11 +126,17 @@ def plot_run(run_dir: Path, output: Path | None = None) -> Path:
                 losses += [r[key] for r in kept]
     scale = "log" if losses and min(losses) > 0 else "linear"
     ax_loss.set(title="training loss (rank 0, per step)", xlabel="step", yscale=scale)
-    ax_eval_loss.set(title="eval_data loss", xlabel="epoch", yscale=scale)
-    ax_acc.set(title="eval_data accuracy", xlabel="epoch")
-    for ax in (ax_eval_loss, ax_acc):
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    for ax in (ax_loss, ax_eval_loss, ax_acc):
+    if ax_eval_loss is not None and ax_acc is not None:
+        ax_eval_loss.set(title="eval_data loss", xlabel="epoch", yscale=scale)
+        ax_acc.set(title="eval_data accuracy", xlabel="epoch")
+        for ax in (ax_eval_loss, ax_acc):
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if by_cost:
+        by_samples, by_bytes = rest[-2:]
+        by_samples.set(title="validation loss", xlabel="samples seen", yscale=scale)
+        by_bytes.set(title="validation loss", xlabel="bytes sent per worker", yscale=scale)
+        by_bytes.set_xscale("log")  # strategies differ by orders of magnitude
+    for ax in axes[0]:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
