@@ -97,6 +97,7 @@ Decisions:
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -211,7 +212,9 @@ class ShardedStrategy(Strategy):
         self._arp = AllReduceParameter(  # on the model's device (a mixed group's is the CPU)
             size, group=self.runtime.group, compress=self.config.compress, device=device
         )
-        self._arp.init(self._flat)
+        self._arp.init(self._flat if sixteen else list(self.params))
+        if not sixteen:  # the parameters and gradients become views of the ARP's buffers
+            self._bind()
         sizes = [[p.numel() for p in g] for g in self._groups]
         self._opt = ShardedOptimizer(self._arp, spec, param_sizes=sizes)
         if loaded is not None:  # state loaded into the plain optimizer before prepare
@@ -222,6 +225,25 @@ class ShardedStrategy(Strategy):
         )
         self._flags = StepFlags(len(self.params), self.runtime.group)
         self._start_responder()  # last: a request may come as soon as it runs
+
+    def _bind(self) -> None:
+        """fp32 parameters: views of the AllReduceParameter's flat weights, gradients
+        of its flat gradients (shared memory where every rank is on one host). The
+        step then publishes the master slice where it lies and the all-gathers
+        read each rank's slice in place: no copy of the slice per step."""
+        assert self._arp is not None
+        had_grad = [p.grad is not None for p in self.params]
+        self._arp.bind(self.params)
+        self._flat, self._grad = self._arp.flat_weights, self._arp.flat_gradients
+        self._model_grad = self._grad
+        offsets = itertools.accumulate((p.numel() for p in self.params), initial=0)
+        self._grad_views = [
+            self._grad[o : o + p.numel()].view_as(p)
+            for o, p in zip(offsets, self.params, strict=False)
+        ]
+        for p, had in zip(self.params, had_grad, strict=True):
+            if not had:  # bind points every .grad at the buffer; keep None where it was
+                p.grad = None
 
     def _check_supported(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         check_elementwise(optimizer, where="strategy 'sharded'")
