@@ -65,3 +65,18 @@ def shared_job(rank: int, world_size: int, port: int) -> list[str]:
 def test_vectors_read_in_place_give_the_private_bits() -> None:
     results = run_ranks(shared_job, 3, free_port(), timeout=120)
     assert [r.value for r in results] == [[], [], []], results
+
+
+def test_a_view_of_a_segment_outlives_the_mapping_s_close() -> None:
+    # The transport closes its mappings with the group; a tensor still viewing one
+    # (a model's parameters bound to an AllReduceParameter's flat buffers) must
+    # keep reading valid memory, not unmapped pages.
+    from gradhub._shm.memory import Mapping, new_segment
+
+    mapping = Mapping(new_segment(1 << 16, "gradhub-test"), 1 << 16)
+    assert mapping.bytes is not None
+    view = mapping.bytes[:64].view(torch.float32)
+    view.fill_(2.5)
+    mapping.close()
+    view.add_(1.0)  # unmapped memory would end the process here (SIGSEGV)
+    assert torch.equal(view, torch.full((16,), 3.5))

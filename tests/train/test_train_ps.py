@@ -86,8 +86,14 @@ def test_a_restarted_ps_worker_takes_the_servers_values_and_its_checkpointed_lr(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """A worker restarted by torchrun resumes its step and its LR schedule from
-    the checkpoint, and the parameters from the servers, which went on after it."""
+    the checkpoint, and the parameters from the servers, which went on after it.
+    The workers join the agent's store, which torchrun keeps for every attempt."""
     x, y = fixed_data(12)
+    agent = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    launcher = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    for name, value in {**launcher, "TORCHELASTIC_USE_AGENT_STORE": "True"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("MASTER_PORT", str(agent.port))
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
     with start_server(ServerConfig(mode="async"), in_thread=True) as server:
 

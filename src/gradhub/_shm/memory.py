@@ -42,7 +42,10 @@ class Mapping:
         finally:
             os.close(fd)
         self.size = size
-        self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8) if size else None
+        # Through a memoryview: it holds the mapping exported while any tensor views it
+        # (torch.frombuffer of the mmap itself does not), so close() cannot unmap
+        # memory a tensor still reads; the last view lets the GC unmap it.
+        self.bytes = torch.frombuffer(memoryview(self.mm), dtype=torch.uint8) if size else None
 
     def close(self) -> None:
         self.bytes = None
