@@ -196,8 +196,7 @@ def _scatter_back(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
 # ---------------------------------------------------------------- transports
 def _begin(ctx: Context, name: str) -> tuple[Operation, Transport]:
     """Begin operation ``name`` on the transports' group; its transport."""
-    op = ctx.group.begin(name, check_in=choice.checks_in(ctx.group))
-    return op, choice.select(ctx.group, op)
+    return choice.begin(ctx.group, name)
 
 
 def _summing(transport: Transport, dtype: torch.dtype) -> tuple[codecs.Codec, Chunking]:

@@ -198,16 +198,14 @@ def run_all_reduce(
     was called (the bodies here make one on the worker thread's current stream
     where the caller did not, for a group that stages ``flat``'s device).
     """
-    op = group.begin(name, timeout, check_in=choice.checks_in(group, flat.device))
-    transport = choice.select(group, op, flat.device)
+    op, transport = choice.begin(group, name, timeout, flat.device)
     chunking = Chunking(pipeline_elements=pipeline, small_bytes=small_bytes)
-    stage = stage or staging.begin(group, flat)
-    if stage is None:
-        transport.all_reduce(op, flat, codec, chunking)
-    else:
-        host = stage.to_host(flat)
-        transport.all_reduce(op, host, codec, chunking)
-        stage.from_host(host, flat)
+    staging.run(
+        stage or staging.begin(group, flat),
+        flat,
+        flat,
+        lambda x, _: transport.all_reduce(op, x, codec, chunking),
+    )
     return flat
 
 
@@ -235,17 +233,14 @@ def run_reduce_scatter(
     if ranges is None:
         ranges = partition_ranges(flat.numel(), group.world_size)
     out = _check_out(out, ranges[group.rank][1], flat.device)
-    op = group.begin(name, timeout, check_in=choice.checks_in(group, flat.device))
-    transport = choice.select(group, op, flat.device)
+    op, transport = choice.begin(group, name, timeout, flat.device)
     chunking = Chunking(pipeline_elements=pipeline, small_bytes=small_bytes)
-    stage = stage or staging.begin(group, flat)
-    if stage is None:
-        transport.reduce_scatter(op, flat, codec, ranges, out.view(-1), chunking)
-    else:
-        host_out = stage.empty_host(out)
-        host = stage.to_host(flat)
-        transport.reduce_scatter(op, host, codec, ranges, host_out.view(-1), chunking)
-        stage.from_host(host_out, out)
+    staging.run(
+        stage or staging.begin(group, flat),
+        flat,
+        out,
+        lambda x, y: transport.reduce_scatter(op, x, codec, ranges, y.view(-1), chunking),
+    )
     return out
 
 
@@ -278,17 +273,14 @@ def run_all_gather(
             f"<partition of rank {group.rank}>", [length], [own_wire.numel()], "length"
         )
     out = _check_out(out, size, own_wire.device)
-    op = group.begin(name, timeout, check_in=choice.checks_in(group, own_wire.device))
-    transport = choice.select(group, op, own_wire.device)
+    op, transport = choice.begin(group, name, timeout, own_wire.device)
     chunking = Chunking(pipeline_elements=pipeline, small_bytes=small_bytes)
-    stage = stage or staging.begin(group, own_wire)
-    if stage is None:
-        transport.all_gather(op, own_wire, codec, ranges, out.view(-1), chunking)
-    else:
-        host_out = stage.empty_host(out)
-        host = stage.to_host(own_wire)
-        transport.all_gather(op, host, codec, ranges, host_out.view(-1), chunking)
-        stage.from_host(host_out, out)
+    staging.run(
+        stage or staging.begin(group, own_wire),
+        own_wire,
+        out,
+        lambda x, y: transport.all_gather(op, x, codec, ranges, y.view(-1), chunking),
+    )
     return out
 
 
@@ -298,8 +290,7 @@ def run_shared_vectors(
     """``count`` fp32 vectors of ``numel`` elements that the group's transport
     reads in place (:meth:`~gradhub.transports.base.Transport.shared_vector`),
     or ``None`` where it has none; call it on the worker thread."""
-    op = group.begin(name, timeout, check_in=choice.checks_in(group))
-    transport = choice.select(group, op)
+    op, transport = choice.begin(group, name, timeout)
     vectors = [transport.shared_vector(op, numel) for _ in range(count)]
     return None if any(v is None for v in vectors) else [v for v in vectors if v is not None]
 

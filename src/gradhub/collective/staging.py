@@ -25,6 +25,8 @@ staged. A CPU tensor on a group of NCCL alone is moved to the group's GPU
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from gradhub.transports.choice import apart
@@ -59,6 +61,23 @@ def begin(group: CollectiveGroup, *tensors: torch.Tensor | None) -> Staging | No
     is staged."""
     device = next((t.device for t in tensors if t is not None), _CPU)
     return Staging(device) if staged(group, device) else None
+
+
+def run(
+    stage: Staging | None,
+    tensor: torch.Tensor,
+    out: torch.Tensor,
+    body: Callable[[torch.Tensor, torch.Tensor], None],
+) -> None:
+    """``body(tensor, out)``; with ``stage``, on pinned host copies instead, the
+    result copied back into ``out`` (``out`` may be ``tensor``: in place)."""
+    if stage is None:
+        body(tensor, out)
+        return
+    host = stage.to_host(tensor)
+    host_out = host if out is tensor else stage.empty_host(out)
+    body(host, host_out)
+    stage.from_host(host_out, out)
 
 
 class Staging:

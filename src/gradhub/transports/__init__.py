@@ -19,15 +19,15 @@
 A caller (:mod:`gradhub.collective.ring`, the torch.distributed backend) runs
 an operation on the group's worker thread as::
 
-    op = group.begin("all_reduce", timeout, check_in=checks_in(group))
-    select(group, op).all_reduce(op, flat, codec, Chunking())
+    op, transport = begin(group, "all_reduce", timeout)  # numbered, checked in, chosen
+    transport.all_reduce(op, flat, codec, Chunking())
 
 Layering: above :mod:`gradhub._shm` and the pure top-level modules, below
 :mod:`gradhub.runtime` and every subsystem (``tests/core/test_import_graph.py``).
 """
 
 from gradhub.transports.base import Chunking, Transport
-from gradhub.transports.choice import CHOICES, checks_in, chosen, requested, select
+from gradhub.transports.choice import CHOICES, begin, checks_in, chosen, requested, select
 from gradhub.transports.group import CollectiveFuture, CollectiveGroup, Operation
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "CollectiveGroup",
     "Operation",
     "Transport",
+    "begin",
     "checks_in",
     "chosen",
     "requested",

@@ -120,6 +120,19 @@ def chosen(group: CollectiveGroup) -> str | None:
     return None if transport is None else transport.name
 
 
+def begin(
+    group: CollectiveGroup,
+    name: str,
+    timeout: float | None = None,
+    device: torch.device | None = None,
+) -> tuple[Operation, Transport]:
+    """Start operation ``name`` of ``group`` on tensors on ``device``: number it,
+    check in where its transport does not tell by itself who entered, and
+    choose that transport (the one call every collective body makes)."""
+    op = group.begin(name, timeout, check_in=checks_in(group, device))
+    return op, select(group, op, device)
+
+
 def checks_in(group: CollectiveGroup, device: torch.device | None = None) -> bool:
     """Whether the group's next operation (on tensors on ``device``) checks in
     through the store: yes until a transport that tells by itself who entered
