@@ -55,9 +55,9 @@ DDP's loop, line by line (decisions; DDP's documentation is the spec):
   since the last synchronising backward (``no_sync`` micro-steps included).
   One no rank used keeps ``.grad`` as it was (``None`` after ``zero_grad``),
   so the optimizer does not move it (DDP ``find_unused_parameters=True``);
-  every rank agrees (the flags are summed with the gradients; a strategy
-  without buckets calls :meth:`Strategy._used_anywhere` in
-  :meth:`Strategy._finish_backward`).
+  every rank agrees (the flags are summed over the ranks in host memory with
+  :class:`~.step_flags.StepFlags`, after the last bucket, or from
+  :meth:`Strategy._finish_backward` in a strategy without buckets).
 Misuse (each a :class:`~gradhub.errors.MisuseError`, an error rather than a
 warning because each one makes ranks diverge or collectives mismatch):
 stepping the optimizer handed to ``prepare``; ``step`` during backward;
@@ -392,14 +392,6 @@ class Strategy(LossScaling, ForwardSide, abc.ABC):
         if total is not None:
             return n / total, False
         return float(n), True
-
-    def _used_anywhere(self) -> list[bool]:
-        """Per parameter of :attr:`params`: whether some rank used it since the last
-        synchronising backward. One small all-reduce: call it on every rank, from
-        :meth:`_finish_backward` (the flags are reset when it returns)."""
-        flags = torch.tensor([1.0 if id(p) in self._used else 0.0 for p in self.params])
-        self.runtime.all_reduce_sum(flags, where="which parameters some rank used")
-        return [bool(f > 0) for f in flags]
 
     def _check_counts(self, samples: int, global_samples: int) -> None:
         if samples < 0 or global_samples <= 0 or samples > global_samples:
