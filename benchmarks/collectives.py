@@ -5,7 +5,7 @@ below run alternating in one run (the order rotates every round), each timed
 as the slower rank's time from a common barrier:
 
 - ``ring ...`` / ``shm ...``: the same gradhub call on a group whose transport
-  is the gloo ring (:mod:`gradhub.collective.ring`) or shared memory
+  is the gloo ring (:mod:`gradhub.transports.p2p_ring`) or shared memory
   (:mod:`gradhub.transports.shm`), side by side:
   - ``RS+AG fp32``: :func:`gradhub.collective.reduce_scatter` then
     :func:`gradhub.collective.all_gather`, codec ``"none"``, into separate outputs;
@@ -82,7 +82,7 @@ from gradhub.collective import (
     all_gather,
     reduce_scatter,
 )
-from gradhub.collective.ring import run_shared_vectors
+from gradhub.collective.collectives import run_shared_vectors
 from gradhub.partition import partition_range
 
 WORLD_SIZE = 2

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from gradhub.collective import all_gather, local_group, reduce_scatter
-from gradhub.collective.ring import run_shared_vectors
+from gradhub.collective.collectives import run_shared_vectors
 from gradhub.transports import shm
 from harness import free_port, run_ranks
 

@@ -1,6 +1,6 @@
-"""Collectives: ring reduce-scatter/all-gather/all-reduce, AllReduceParameter, ShardedOptimizer.
+"""Collectives: reduce-scatter/all-gather/all-reduce, AllReduceParameter, ShardedOptimizer.
 
-- :mod:`.ring`: :func:`reduce_scatter`, :func:`all_gather`, :func:`all_reduce`
+- :mod:`.collectives`: :func:`reduce_scatter`, :func:`all_gather`, :func:`all_reduce`
   on the group's transport (:mod:`gradhub.transports`).
 - :mod:`.allreduce_parameter`: :class:`AllReduceParameter` (BigDL's).
 - :mod:`.sharded_optimizer`: :class:`ShardedOptimizer` (ZeRO-1).
@@ -12,7 +12,7 @@ Re-exported here: :class:`CollectiveGroup` and :class:`CollectiveFuture`
 """
 
 from gradhub.collective.allreduce_parameter import AllReduceParameter
-from gradhub.collective.ring import all_gather, all_reduce, reduce_scatter
+from gradhub.collective.collectives import all_gather, all_reduce, reduce_scatter
 from gradhub.collective.sharded_optimizer import ShardedOptimizer
 from gradhub.runtime import (
     DEFAULT_TIMEOUT,

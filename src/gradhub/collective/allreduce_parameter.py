@@ -61,14 +61,14 @@ import torch
 from gradhub import codecs
 from gradhub.collective import staging
 from gradhub.collective.agreement import check_agreement
-from gradhub.collective.flat_views import bind_views, occupies
-from gradhub.collective.ring import (
+from gradhub.collective.collectives import (
     DEFAULT_PIPELINE_ELEMENTS,
     Group,
     run_all_gather,
     run_reduce_scatter,
     run_shared_vectors,
 )
+from gradhub.collective.flat_views import bind_views, occupies
 from gradhub.errors import ClosedError, StateError
 from gradhub.partition import partition_range, segment_ranges
 from gradhub.transports.group import CollectiveFuture, CollectiveGroup

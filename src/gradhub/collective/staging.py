@@ -2,7 +2,7 @@
 
 A group whose process group carries CPU tensors only (gloo; several ranks on
 one GPU, say) runs its transports (shared memory, the ring) on host memory.
-The collectives of :mod:`.ring` (and so :class:`~.AllReduceParameter` and
+The collectives of :mod:`.collectives` (and so :class:`~.AllReduceParameter` and
 the strategies) hand such a group's CUDA tensors to a :class:`Staging`:
 
 - made on the calling thread when the operation is called: it records an

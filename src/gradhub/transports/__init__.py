@@ -16,7 +16,7 @@
   about a group and its store, and the roll call; :mod:`.schedule`: the ring's
   schedule and summation order, pure.
 
-A caller (:mod:`gradhub.collective.ring`, the torch.distributed backend) runs
+A caller (:mod:`gradhub.collective.collectives`, the torch.distributed backend) runs
 an operation on the group's worker thread as::
 
     op, transport = begin(group, "all_reduce", timeout)  # numbered, checked in, chosen

@@ -2,7 +2,7 @@
 
 A :class:`Transport` belongs to one :class:`~.group.CollectiveGroup` (it is
 made by :func:`.choice.select`, the one place that picks it, and closed with
-the group). Callers (:mod:`gradhub.collective.ring`, hence
+the group). Callers (:mod:`gradhub.collective.collectives`, hence
 ``AllReduceParameter``, the strategies and the torch.distributed backend)
 reach it only through these methods, on the group's worker thread, inside an
 :class:`~.operation.Operation` begun with :meth:`CollectiveGroup.begin`

@@ -25,7 +25,7 @@ import torch
 
 from gradhub import codecs
 from gradhub.collective import AllReduceParameter, CollectiveFuture, CollectiveGroup
-from gradhub.collective.ring import run_all_gather
+from gradhub.collective.collectives import run_all_gather
 from gradhub.partition import segment_ranges
 
 

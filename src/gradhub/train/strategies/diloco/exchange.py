@@ -28,7 +28,7 @@ import torch
 
 from gradhub import codecs
 from gradhub.collective import CollectiveFuture, CollectiveGroup, all_reduce
-from gradhub.collective.ring import run_all_gather
+from gradhub.collective.collectives import run_all_gather
 
 _PLAIN = codecs.NoCompression()
 

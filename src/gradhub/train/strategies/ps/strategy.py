@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import torch
 
 from gradhub._config import config_or_options
-from gradhub.collective import ring
+from gradhub.collective import all_reduce
 from gradhub.errors import GradhubError
 from gradhub.optim import OptimizerSpec
 from gradhub.train.strategies.base import Strategy
@@ -193,7 +193,7 @@ class _PSStrategy(Strategy):
                 ]
             )
             if dtype == torch.float32:  # the job's transport (shared memory on one host)
-                ring.all_reduce(flat, group=self.runtime.group).wait()
+                all_reduce(flat, group=self.runtime.group).wait()
             else:
                 self.runtime.all_reduce_sum(flat, where=where)
             offset = 0
