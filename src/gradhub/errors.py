@@ -226,3 +226,20 @@ class RunFolderExistsError(GradhubError, FileExistsError):
 class SecretFileError(GradhubError, OSError):
     """A shared-secret file (``--secret-file``) that is missing, unreadable or
     empty; the message names the file."""
+
+
+class TooFewWorkersError(WorkerFailedError):
+    """A surviving job (``gradhub run --survive``) lost so many workers that fewer
+    than ``--min-workers`` remain; names the members that died. Raised on every
+    survivor, which then exits: the job ends as a job without survival would."""
+
+    def __init__(self, dead_now: list[int], dead: list[int], left: int) -> None:
+        self.dead = list(dead)
+        """Every member (rank of the first generation, or a replacement's id) that died."""
+        self.left = left
+        super().__init__(
+            f"worker(s) {', '.join(map(str, dead_now))} died and {left} worker(s) are left, "
+            f"fewer than --min-workers (dead so far: {', '.join(map(str, dead))})\n"
+            "- help: check the dead workers' logs; restart the job (it resumes from the "
+            "last checkpoint), or lower --min-workers"
+        )

@@ -13,7 +13,7 @@ from typing import Any
 
 import gradhub
 from gradhub.train.checkpoint import CheckpointDir
-from gradhub.train.fit import agreed_checkpoint
+from gradhub.train.checkpoint import agreed_checkpoint
 from gradhub.train.strategies.allreduce import _FutureWork
 
 

@@ -10,7 +10,7 @@ softmax classifier), then an MLP (64-128-10) trained by
 :class:`~gradhub.DataParallelTrainer`: ``single`` (one process, the
 reference), and ``allreduce``, ``sharded``, ``ps-async``, ``ps-sync``,
 ``ps-ssp``, each a real job of ``--workers`` processes started through
-torchrun's machinery (:func:`gradhub.launcher.launch`, parameter servers
+torchrun's machinery (:func:`gradhub.cli.launcher.launch`, parameter servers
 first for ``ps-*``). Metrics go to JSON lines under the run folder (one
 sub-folder per strategy) and the curves to ``curves.png`` there. Wall time
 counts process start-up; samples/s counts the training loop only. The MLP
@@ -113,8 +113,8 @@ def run_single(args: argparse.Namespace) -> DemoRow:
 
 def _job(name: str) -> Callable[[argparse.Namespace], DemoRow]:
     def run_job(args: argparse.Namespace) -> DemoRow:
-        from gradhub.launcher import LaunchConfig, launch
-        from gradhub.ps.config import ServerConfig
+        from gradhub.cli.launcher import LaunchConfig, launch
+        from gradhub.ps.server.config import ServerConfig
 
         folder = _run_dir(args) / name
         mode = _PS_MODES.get(name, "async")

@@ -1,6 +1,6 @@
 """``gradhub run -n N [--servers S] [--nnodes M ...] script.py [args]``: a training job.
 
-A thin front over :func:`gradhub.launcher.launch`, which hands the
+A thin front over :func:`gradhub.cli.launcher.launch`, which hands the
 worker processes to ``torch.distributed.run``. The script calls
 ``gradhub.init()``; the same script runs under ``torchrun`` unchanged.
 """
@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 from gradhub.cli._flags import add_config_flags, config_kwargs
-from gradhub.ps.config import ServerConfig
+from gradhub.ps.server.config import ServerConfig
 
 # Servers' settings as --ps-* flags, generated from ServerConfig; the job sets
 # bind and workers itself.
@@ -37,6 +37,20 @@ def add_parser(sub: Any) -> None:
         "agent); fit() then checkpoints (into checkpoint_dir, default run_dir/checkpoints) "
         "and resumes from the last checkpoint every rank has; parameter servers keep "
         "running (default: 0, a failed worker ends the job)",
+    )
+    p.add_argument(
+        "--survive",
+        action="store_true",
+        help="a worker's death ends only that worker: the others regroup over the "
+        "survivors, redo the failed step on the same global batch and go on (one node; "
+        "strategy allreduce)",
+    )
+    p.add_argument(
+        "--min-workers",
+        type=int,
+        default=1,
+        metavar="M",
+        help="with --survive: stop the job when fewer than M workers are left (default 1)",
     )
     ps = p.add_argument_group("parameter servers (with --servers)")
     add_config_flags(
@@ -72,7 +86,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gradhub.launcher import LaunchConfig, launch
+    from gradhub.cli.launcher import LaunchConfig, launch
 
     try:
         server = ServerConfig(
@@ -93,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
             rdzv_id=args.rdzv_id,
             local_addr=args.local_addr,
             max_restarts=args.max_restarts,
+            survive=args.survive,
+            min_workers=args.min_workers,
         )
         return launch(config)
     except (ValueError, OSError) as exc:

@@ -1,7 +1,7 @@
 """One process of a ``gradhub demo`` job: ``python -m gradhub.demo.job ...``.
 
 ``gradhub demo`` starts this module on every worker through
-:func:`gradhub.launcher.launch` (torchrun underneath), once per strategy.
+:func:`gradhub.cli.launcher.launch` (torchrun underneath), once per strategy.
 It trains a small MLP on scikit-learn's digits with
 :class:`~gradhub.DataParallelTrainer` on ``--device`` (``cuda``: the GPU
 ``LOCAL_RANK`` picks); rank 0 writes the result as

@@ -20,11 +20,15 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from gradhub._atomic import atomic_torch_save
+
+if TYPE_CHECKING:
+    from gradhub.runtime import Runtime
 
 _NAME = re.compile(r"^step-(\d+)\.rank(\d+)\.pt$")
 
@@ -96,3 +100,17 @@ class CheckpointDir:
             self.file(step, rank), map_location="cpu", weights_only=False
         )
         return state
+
+
+def agreed_checkpoint(rt: Runtime, ckpt: CheckpointDir) -> tuple[int, int] | None:
+    """(step, ranks that wrote it) of the latest checkpoint every rank of its job
+    finished, or ``None``: rank 0 reads the folder (shared by the ranks: one reader
+    decides) and sends its choice to every rank, within the runtime's timeout (a rank
+    that does not take part is named in a ``CollectiveTimeoutError``)."""
+    found = ckpt.latest_complete() if rt.is_main else None
+    choice = torch.tensor(found if found is not None else (-1, 0), device=rt.device)
+    if rt.world_size > 1:
+        work = dist.broadcast(choice, src=0, async_op=True)
+        rt.wait(work, "broadcast", where="the choice of the checkpoint to resume from")
+    step, written_by = (int(v) for v in choice.tolist())
+    return None if step < 0 else (step, written_by)

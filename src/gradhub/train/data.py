@@ -174,15 +174,31 @@ class Source:
         return self._indexed(epoch, shuffle)
 
     def _indexed(self, epoch: int, shuffle: bool) -> Iterator[Step]:
+        for chunk in self.global_batches(epoch, shuffle=shuffle):
+            yield self.share(chunk)
+
+    @property
+    def indexed(self) -> bool:
+        """Whether a global batch is a list of indices (tensors, a map-style
+        dataset), which any world size can split: what survival needs."""
+        return not self.iterable and self.loader is None
+
+    def global_batches(self, epoch: int, *, shuffle: bool | None = None) -> list[torch.Tensor]:
+        """The indices of every global batch of ``epoch``: from the seed and the
+        epoch only, never the world size."""
         n = len(self.dataset)
-        if shuffle:
+        if self.shuffle if shuffle is None else shuffle:
             g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
             order = torch.randperm(n, generator=g)
         else:
             order = torch.arange(n)
-        for chunk in order.split(self.batch_size):
-            mine = split_batch(chunk, self.world)[self.rank]
-            yield Step(self._collate(mine), len(mine), len(chunk))
+        return list(order.split(self.batch_size))
+
+    def share(self, chunk: torch.Tensor) -> Step:
+        """This rank's share of the global batch ``chunk`` (at the current
+        :attr:`rank` and :attr:`world`)."""
+        mine = split_batch(chunk, self.world)[self.rank]
+        return Step(self._collate(mine), len(mine), len(chunk))
 
     def _collate(self, index: torch.Tensor) -> Any:
         if len(index) == 0:

@@ -71,13 +71,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from tqdm import tqdm
 
 from gradhub.errors import RunFolderExistsError
-from gradhub.train.checkpoint import CheckpointDir
+from gradhub.train.checkpoint import CheckpointDir, agreed_checkpoint
 from gradhub.train.data import Source, Step, to_device
 from gradhub.train.fit_config import FitConfig, FitResult
+from gradhub.train.fit_survival import (
+    check_survivable,
+    membership_record,
+    surviving_steps,
+    surviving_sum,
+)
 from gradhub.train.grad_scaler import GradScaler
 from gradhub.train.logs import rank_logger
 from gradhub.train.losses import LossFn, Metric, Stats, detach, inputs_of
@@ -86,6 +91,7 @@ from gradhub.transports.stores import job_store
 
 if TYPE_CHECKING:
     from gradhub.runtime import Runtime
+    from gradhub.runtime.membership import Regrouped
     from gradhub.train.distributed_optimizer import DistributedOptimizer
     from gradhub.train.wrapped_model import PreparedModel
 
@@ -221,6 +227,12 @@ class FitRun:
         path = self.ckpt.save(step, state)
         self.log.debug("checkpoint of step %d written to %s", step, path)
 
+    def _regrouped(self, done: Regrouped) -> None:
+        """After a death: the lowest live rank takes rank 0's duties, files keep their names."""
+        if self.ckpt is not None:
+            self.ckpt.rank = self.rt.rank
+        self.metrics.write("membership", **membership_record(done))
+
     # one step ------------------------------------------------------------------------
 
     def _forward(self, batch: Any) -> tuple[Any, torch.Tensor]:
@@ -300,7 +312,10 @@ class FitRun:
         finally:
             self.metrics.close()
 
-    def _micro_steps(self, source: Source, epoch: int) -> Iterator[list[Step]]:
+    def _micro_steps(self, source: Source, epoch: int, per_epoch: int) -> Iterator[list[Step]]:
+        if self.rt.survive:
+            yield from surviving_steps(self.rt, source, epoch, per_epoch, self.cfg.accumulate)
+            return
         batches = source.epoch(epoch)
         while True:
             group = [s for _, s in zip(range(self.cfg.accumulate), batches, strict=False)]
@@ -320,6 +335,10 @@ class FitRun:
         batches = train.steps_per_epoch()
         per_epoch = -(-batches // cfg.accumulate) if batches is not None else None
         start, last = self.resume()
+        if rt.survive:
+            check_survivable(train, evals, per_epoch)
+            rt.committed_steps = start
+            rt.on_regroup(self._regrouped)
         if rt.restart:
             self.metrics.write(
                 "restart", restart=rt.restart, max_restarts=rt.max_restarts, step=start
@@ -349,12 +368,16 @@ class FitRun:
         try:
             for epoch in range(first_epoch, cfg.epochs):
                 stats = Stats(self.metric_fns, self.accuracy)
-                for micro in self._micro_steps(train, epoch):
-                    if skip:
+                for micro in self._micro_steps(train, epoch, per_epoch or 0):
+                    if skip and not rt.survive:  # a surviving job's steps start there
                         skip -= 1
                         continue
+                    before, failed = stats.values.clone(), self.strategy.failed_steps
                     record = self.step(micro, stats)
-                    step += 1
+                    if self.strategy.failed_steps != failed:
+                        stats.values.copy_(before)  # trained again, counted then
+                        continue
+                    step = rt.committed_steps if rt.survive else step + 1
                     seen += sum(s.samples for s in micro)
                     record.update(
                         step=step,
@@ -368,6 +391,8 @@ class FitRun:
                         self.save(step, last)
                     if on_step is not None:
                         on_step(step, record)
+                if rt.survive:  # a rank behind may have taken the last step from a peer
+                    step = rt.committed_steps
                 last = self._end_epoch(epoch, step, stats, evals, on_eval)
                 history.append(last)
                 if self.scheduler is not None and cfg.scheduler_interval == "epoch":
@@ -391,6 +416,8 @@ class FitRun:
             wall_time=wall,
             samples_per_s=seen * rt.world_size / wall if wall > 0 and seen else 0.0,
             restarts=rt.restart,
+            failures=len(rt.membership.dead) if rt.membership is not None else 0,
+            redone=self.strategy.failed_steps,
             history=history,
         )
         summary = {k: v for k, v in vars(result).items() if k != "history"}
@@ -400,8 +427,11 @@ class FitRun:
     def _end_epoch(
         self, epoch: int, step: int, stats: Stats, evals: Source | None, on_eval: Any
     ) -> dict[str, Any]:
-        both = torch.cat([stats.values, self.evaluate(evals)])
-        self.rt.all_reduce_sum(both, where=f"evaluation after epoch {epoch}")
+        both = surviving_sum(
+            self.rt,
+            torch.cat([stats.values, self.evaluate(evals)]),
+            f"evaluation after epoch {epoch}",
+        )
         half = len(stats.values)
         record: dict[str, Any] = {"epoch": epoch, "step": step}
         train = stats.summary("train_", both[:half])
@@ -416,17 +446,3 @@ class FitRun:
         self.metrics.write("epoch", **record)
         self.log.info("epoch %d step %d: train loss %.4f", epoch, step, record["train_loss"])
         return record
-
-
-def agreed_checkpoint(rt: Runtime, ckpt: CheckpointDir) -> tuple[int, int] | None:
-    """(step, ranks that wrote it) of the latest checkpoint every rank of its job
-    finished, or ``None``: rank 0 reads the folder (shared by the ranks: one reader
-    decides) and sends its choice to every rank, within the runtime's timeout (a rank
-    that does not take part is named in a ``CollectiveTimeoutError``)."""
-    found = ckpt.latest_complete() if rt.is_main else None
-    choice = torch.tensor(found if found is not None else (-1, 0), device=rt.device)
-    if rt.world_size > 1:
-        work = dist.broadcast(choice, src=0, async_op=True)
-        rt.wait(work, "broadcast", where="the choice of the checkpoint to resume from")
-    step, written_by = (int(v) for v in choice.tolist())
-    return None if step < 0 else (step, written_by)

@@ -163,5 +163,10 @@ class FitResult:
     restarts: int = 0
     """Times torchrun restarted the job's workers before this attempt
     (``TORCHELASTIC_RESTART_COUNT``)."""
+    failures: int = 0
+    """Workers that died during this call while the others went on
+    (``gradhub run --survive``)."""
+    redone: int = 0
+    """Steps a death interrupted on this rank, each trained again over the survivors."""
     history: list[dict[str, Any]] = field(default_factory=list)
     """One record per epoch."""

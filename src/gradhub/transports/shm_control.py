@@ -9,7 +9,8 @@ in its region); and a line for the set-up's handshake.
 
 Waiting: ``futex`` waits on a counter in the kernel (no spinning: the ranks
 may share fewer cores than there are ranks), in slices of :data:`WAIT_SLICE`
-seconds; after each slice the peer's process is checked through a ``pidfd``:
+seconds; after each slice every peer's process is checked through a ``pidfd``
+(not only the one waited on, which may itself have left for another's death):
 a dead peer is a :class:`~gradhub.errors.WorkerFailedError` naming its rank
 and pid, and a peer that is alive but late past the operation's deadline a
 :class:`~gradhub.errors.CollectiveTimeoutError` naming it. Either breaks the
@@ -69,6 +70,8 @@ class Control:
         self._pidfds: dict[int, int] = {}
         self._counters = (ctypes.c_int64 * (_KINDS * self.size * _STRIDE)).from_buffer(segment)
         self._base = ctypes.addressof(self._counters)
+        self._poller = select.poll()
+        self._index_of: dict[int, int] = {}
         for i, pid in enumerate(self.pids):
             if i != self.index:
                 try:
@@ -76,6 +79,8 @@ class Control:
                 except ProcessLookupError:
                     self.close()
                     raise self.died(op, i, "set-up") from None
+                self._poller.register(self._pidfds[i], select.POLLIN)
+                self._index_of[self._pidfds[i]] = i
 
     # ---------------------------------------------------------------- lines
     def _slot(self, kind: int, j: int) -> int:
@@ -141,13 +146,24 @@ class Control:
             if remaining <= 0:
                 raise self.late(op, k, j)
             futex_wait(address, seen, min(WAIT_SLICE, remaining))
-            if counters[slot] < value and not self.alive(j):
-                raise self.died(op, j, during)
+            if counters[slot] < value:
+                dead = self.first_dead()
+                if dead is not None:
+                    raise self.died(op, dead, during)
 
     def alive(self, j: int) -> bool:
         poller = select.poll()
         poller.register(self._pidfds[j], select.POLLIN)
         return not poller.poll(0)  # a pidfd is readable once its process exited
+
+    def first_dead(self) -> int | None:
+        """The lowest index of a peer whose process exited, else ``None``. Every
+        peer is checked, not only the one waited on: a survivor may wait on a
+        peer that itself left this operation for another's death."""
+        ready = self._poller.poll(0)  # a pidfd is readable once its process exited
+        if not ready:
+            return None
+        return min(self._index_of[fd] for fd, _ in ready)
 
     # --------------------------------------------------------------- errors
     def late(self, op: Operation, k: int, j: int) -> CollectiveTimeoutError:

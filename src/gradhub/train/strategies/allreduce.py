@@ -84,7 +84,7 @@ import torch
 
 from gradhub._config import config_or_options
 from gradhub.collective import CollectiveFuture
-from gradhub.errors import MisuseError
+from gradhub.errors import MisuseError, UnsupportedByStrategyError
 from gradhub.train import reducers
 from gradhub.train.strategies.base import Strategy
 from gradhub.train.strategies.step_flags import StepFlags
@@ -163,6 +163,7 @@ class AllReduceStrategy(Strategy):
     name = "allreduce"
     several_optimizers = True
     supports_join = True
+    survives = True
 
     def __init__(self, config: AllReduceConfig | None = None, **options: Any) -> None:
         super().__init__()
@@ -191,15 +192,24 @@ class AllReduceStrategy(Strategy):
                 f"dtype {', '.join(odd)} would be rounded\n- help: call model.float() "
                 "(or .bfloat16()) before gradhub.prepare"
             )
+        if self.runtime.survive and self.config.compress != "none":
+            raise UnsupportedByStrategyError(
+                f"compress={self.config.compress!r} under `gradhub run --survive`: a "
+                "compressing reducer's state (error feedback) is per rank and would be lost "
+                "with a dead one\n- help: compress='none', or drop --survive"
+            )
         self._broadcast_from_rank0(model)
-        options = dict(self.config.compress_options)
-        # The job's group: the built-in reducers use its transport (shm on one host).
-        collective = options.pop("collective", self.runtime.group)
-        self._reducer = reducers.make(self.config.compress, collective=collective, **options)
+        self._rebind()
         if not hasattr(self._reducer, "launch"):
             self._thread = concurrent.futures.ThreadPoolExecutor(1, "gradhub-reduce")
         self._build_buckets(self.params)
         self._index = {id(p): k for k, p in enumerate(self.params)}
+
+    def _rebind(self) -> None:
+        options = dict(self.config.compress_options)
+        # The job's group: the built-in reducers use its transport (shm on one host).
+        collective = options.pop("collective", self.runtime.group)
+        self._reducer = reducers.make(self.config.compress, collective=collective, **options)
         self._flags = StepFlags(len(self.params), self.runtime.group)
 
     def _build_buckets(self, params: list[torch.nn.Parameter]) -> None:
@@ -229,6 +239,12 @@ class AllReduceStrategy(Strategy):
         """DDP's ``register_comm_hook`` (see the module docstring); once, before training."""
         if self._hook is not None:
             raise MisuseError("register_comm_hook can only be called once, as DDP's")
+        if self.runtime.survive:
+            raise UnsupportedByStrategyError(
+                "register_comm_hook under `gradhub run --survive`: a hook's state holds the "
+                "process group, which is rebuilt over the survivors after a death\n"
+                "- help: drop the hook, or drop --survive"
+            )
         if self.steps or self._synced or self._samples is not None:
             raise MisuseError(
                 "register_comm_hook after training started or with set_samples\n- help: "

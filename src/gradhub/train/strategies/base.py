@@ -83,6 +83,7 @@ from gradhub.train.strategies.forward import ForwardSide
 from gradhub.train.strategies.join import Join
 from gradhub.train.strategies.replicas import unscale_tensors
 from gradhub.train.strategies.scaling import LossScaling
+from gradhub.train.strategies.survival import PEER_FAILURES, Survival
 
 Closure = Callable[[], torch.Tensor]
 """Runs the forward pass on the local batch and returns its mean loss."""
@@ -91,7 +92,7 @@ Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None
 """One optimizer, several over disjoint parameters (where supported), or none."""
 
 
-class Strategy(LossScaling, ForwardSide, abc.ABC):
+class Strategy(LossScaling, ForwardSide, Survival, abc.ABC):
     """One way of keeping data-parallel replicas in step."""
 
     name: ClassVar[str]
@@ -174,6 +175,7 @@ class Strategy(LossScaling, ForwardSide, abc.ABC):
         self._runtime, self.model = runtime, model
         self.optimizers = optimizers
         self.optimizer = optimizers[0] if optimizers else None
+        self._join_survival(runtime)
         self._setup(model, self.optimizer)
         for p in self.params:
             self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
@@ -229,8 +231,11 @@ class Strategy(LossScaling, ForwardSide, abc.ABC):
             self._syncing = self.sync if at_forward is None else at_forward
             if self._syncing:
                 self._begin_sync()
-        if self._syncing:
-            self._grad_ready(p)
+        if self._syncing and self._failure is None:
+            try:
+                self._grad_ready(p)
+            except PEER_FAILURES as exc:  # survival: the step is trained again
+                self._failed(exc)
 
     def _backward_end(self) -> None:
         self._in_backward = False
@@ -238,7 +243,11 @@ class Strategy(LossScaling, ForwardSide, abc.ABC):
             self._local = True
             return
         self._syncing = False
-        self._finish_backward()
+        if self._failure is None:
+            try:
+                self._finish_backward()
+            except PEER_FAILURES as exc:
+                self._failed(exc)
         self._synced, self._local = True, False
         self._used.clear()
 
@@ -262,16 +271,24 @@ class Strategy(LossScaling, ForwardSide, abc.ABC):
                 "`with model.no_sync():` (or with model.require_backward_grad_sync = True)"
             )
         self._current = index
+        if self._failure is not None:
+            self._recover()  # survival: no update; the same batch is trained again
+            return
         if not self._synced:
             self._apply_unsynced()
             return
         self._stepping = True
         try:
             self._apply()
+        except PEER_FAILURES as exc:
+            self._failed(exc)
         finally:
             self._stepping = False
             self._synced = False
             self._samples = None
+        if self._failure is not None:
+            self._recover()
+            return
         self._step_done()
 
     def _apply_unsynced(self) -> None:
@@ -297,6 +314,7 @@ class Strategy(LossScaling, ForwardSide, abc.ABC):
         if opt is not None and hasattr(opt.step, "_wrapped_by_lr_sched"):
             opt._opt_called = True  # type: ignore[attr-defined]
         self.steps += 1
+        self.runtime.committed_steps += 1
 
     def step(self, closure: Closure, samples: int, global_samples: int) -> None:
         """One whole step: weights, backward (if ``samples``), combine, update."""

@@ -16,9 +16,9 @@ agent's: they keep running across restarts, and the addresses published in
 the agent's store (which outlives the workers) stay valid.
 
 With ``servers > 0`` it first starts that many parameter servers on loopback
-(:func:`gradhub.ps.launch.start_server`), then publishes their addresses in
+(:func:`gradhub.ps.server.launch.start_server`), then publishes their addresses in
 the c10d store that torchrun's agent hosts at ``MASTER_ADDR:MASTER_PORT``,
-under :data:`gradhub.ps.addresses.ADDRESSES_KEY` (a JSON list). The
+under :data:`gradhub.ps.client.addresses.ADDRESSES_KEY` (a JSON list). The
 workers' parameter-server strategies read it there: no environment variables
 of our own. The servers stop when the job ends.
 
@@ -27,7 +27,7 @@ does not exist, fewer than one process, a bad server configuration.
 
 Across nodes (``nnodes > 1``), every node runs the same command with
 torchrun's multi-node options (``nnodes``, ``node_rank``, ``rdzv_backend``,
-``rdzv_endpoint``, ``rdzv_id``). :func:`gradhub.nodes.locate` works
+``rdzv_endpoint``, ``rdzv_id``). :func:`gradhub.cli.nodes.locate` works
 out what torchrun would otherwise need spelled out: this node's address
 (``--local-addr``), whether it hosts the rendezvous store
 (``--rdzv-conf is_host=1|0``) and ``GLOO_SOCKET_IFNAME`` (set only if the
@@ -57,9 +57,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from gradhub.nodes import NodePlace, locate
-from gradhub.ps.addresses import ADDRESSES_KEY
-from gradhub.ps.config import ServerConfig
+from gradhub.cli.nodes import NodePlace, locate
+from gradhub.ps.client.addresses import ADDRESSES_KEY
+from gradhub.ps.server.config import ServerConfig
 from gradhub.runtime import free_loopback_port
 
 log = logging.getLogger(__name__)
@@ -98,6 +98,11 @@ class LaunchConfig:
     """This node's address as other nodes reach it (default: worked out from the endpoint)."""
     max_restarts: int = 0
     """Times torchrun's agent restarts every worker after one fails (0: a failure ends the job)."""
+    survive: bool = False
+    """A worker's death ends only that worker; the others go on over the survivors
+    (:mod:`gradhub.cli.supervisor`)."""
+    min_workers: int = 1
+    """With ``survive``: the job stops when fewer workers are left."""
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
@@ -126,6 +131,10 @@ class LaunchConfig:
                 f"--max-restarts must be >= 0, got {self.max_restarts}\n- help: 0 ends the "
                 "job at the first failed worker; N > 0 restarts the workers up to N times"
             )
+        if self.survive:
+            self._check_survive()
+        elif self.min_workers != 1:
+            raise ValueError("--min-workers is for surviving jobs; add --survive")
         if self.servers < 0:
             raise ValueError(f"--servers must be >= 0, got {self.servers}")
         if not self.target:
@@ -134,6 +143,26 @@ class LaunchConfig:
             raise FileNotFoundError(
                 f"script {self.target[0]!r} not found\n- help: give the path of a Python "
                 "script, or use -m/--module for an importable module"
+            )
+
+    def _check_survive(self) -> None:
+        if not 1 <= self.min_workers <= self.nproc:
+            raise ValueError(
+                f"--min-workers must be in [1, {self.nproc}] (the workers started), "
+                f"got {self.min_workers}"
+            )
+        unsupported = [
+            ("--nnodes > 1", self.nnodes > 1),
+            ("--servers", self.servers > 0),
+            ("--max-restarts", self.max_restarts > 0),
+        ]
+        named = [name for name, given in unsupported if given]
+        if named:
+            raise ValueError(
+                f"--survive does not take {', '.join(named)} yet: it keeps the workers of "
+                "one node running over a dead one's loss, under the strategies that keep "
+                "their state in the workers (allreduce)\n- help: drop --survive for a job "
+                "that restarts from its checkpoints"
             )
 
 
@@ -229,7 +258,7 @@ def launch(config: LaunchConfig) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    from gradhub.ps.launch import start_server
+    from gradhub.ps.server.launch import start_server
 
     place = None
     if config.nnodes > 1:
@@ -273,6 +302,10 @@ def launch(config: LaunchConfig) -> int:
         # torchrun's per-attempt error files, read when a worker fails; without
         # a --log-dir it makes a /tmp/torchelastic_* folder per job and leaves it.
         with tempfile.TemporaryDirectory(prefix="gradhub-run-") as logs:
+            if config.survive:
+                from gradhub.cli.supervisor import supervise
+
+                return supervise(config, port, logs)
             args = get_args_parser().parse_args(
                 [f"--log-dir={logs}", *torchrun_args(config, port, place)]
             )

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from gradhub.cli.main import main
-from gradhub.nodes import interface_of, locate, split_endpoint
+from gradhub.cli.nodes import interface_of, locate, split_endpoint
 
 
 def test_split_endpoint() -> None:

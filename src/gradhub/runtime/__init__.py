@@ -50,229 +50,60 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
-from collections.abc import Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from gradhub.errors import ClosedError, LaunchEnvironmentError, RendezvousError
+from gradhub.errors import (
+    ClosedError,
+    CollectiveTimeoutError,
+    LaunchEnvironmentError,
+    RendezvousError,
+    WorkerFailedError,
+)
+from gradhub.runtime.membership import (
+    MEMBER_ENV,
+    SURVIVE_ENV,
+    Membership,
+    Regrouped,
+    abandon,
+    join,
+    rebuild,
+)
+from gradhub.runtime.setup import (
+    BACKENDS,
+    BOTH,
+    DEFAULT_TIMEOUT,
+    _check_timeout,
+    _env_int,
+    _launch_env,
+    _start,
+    destroy_process_group,
+    free_loopback_port,
+    init_process_group_from_env,
+    local_group,
+    pick_backend,
+)
 from gradhub.transports.choice import requested as requested_transport
 from gradhub.transports.group import CollectiveGroup, default_store
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TIMEOUT = 300.0
-"""Seconds set-up and any collective may take before it is an error, when
-neither the caller nor the user's own process group says otherwise."""
-
-_LAUNCH_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def free_loopback_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-BOTH = "cpu:gloo,cuda:nccl"
-"""The default backend on a CUDA machine: CPU tensors on gloo, CUDA tensors on NCCL."""
-
-BACKENDS = ("gloo", "nccl", BOTH)
-
-
-def pick_backend(backend: str | None, local_ranks: int = 1) -> str:
-    """``backend`` checked, or the default (see the module docstring):
-    :data:`BOTH` where CUDA is available and this host's ``local_ranks`` ranks
-    each have a GPU of their own, else gloo."""
-    if backend is None:
-        if not torch.cuda.is_available():
-            return "gloo"
-        gpus = torch.cuda.device_count()
-        if local_ranks > gpus:
-            log.info(
-                "%d ranks on this host and %d GPU(s): NCCL takes one GPU per rank, so the "
-                "group is gloo (CUDA tensors travel through host memory)",
-                local_ranks,
-                gpus,
-            )
-            return "gloo"
-        return BOTH
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    if "nccl" in backend and not torch.cuda.is_available():
-        raise ValueError(f"backend {backend!r} needs CUDA, which is not available; use 'gloo'")
-    return backend
-
-
-def _check_timeout(timeout: float | None) -> None:
-    if timeout is not None and not timeout > 0:
-        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
-
-
-def _env_int(environ: Mapping[str, str], name: str, default: int) -> int:
-    raw = environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise LaunchEnvironmentError(
-            f"environment variable {name}={raw!r} is not an integer"
-        ) from None
-
-
-def _launch_env(environ: Mapping[str, str]) -> tuple[int, int, int]:
-    """``(rank, world_size, local_rank)`` from a launcher's complete environment."""
-    missing = [k for k in _LAUNCH_KEYS if k not in environ]
-    if missing:
-        raise LaunchEnvironmentError(
-            f"launcher environment incomplete: {', '.join(missing)} not set\n"
-            "- help: start the script with `gradhub run -n N script.py` or torchrun, "
-            "or use gradhub.collective.local_group(rank, world_size, port)"
-        )
-    rank, world_size = _env_int(environ, "RANK", 0), _env_int(environ, "WORLD_SIZE", 1)
-    if not 0 <= rank < world_size:
-        raise LaunchEnvironmentError(f"RANK={rank} is outside [0, WORLD_SIZE={world_size})")
-    return rank, world_size, _env_int(environ, "LOCAL_RANK", rank)
-
-
-def _joined(where: str, rank: int, timeout: float, exc: RuntimeError) -> RendezvousError:
-    """c10d's error while joining the job, as ours (the one place set-up translates them)."""
-    return RendezvousError(
-        f"[rank {rank}] could not join the job through {where} within {timeout:g}s: "
-        f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}\n"
-        "- help: start every rank with the same MASTER_ADDR/MASTER_PORT and WORLD_SIZE; "
-        "rank 0 hosts the store, and every rank must start within the timeout"
-    )
-
-
-def _tcp_store(host: str, port: int, world_size: int, rank: int, timeout: float) -> dist.Store:
-    try:
-        return dist.TCPStore(
-            host, port, world_size, is_master=rank == 0, timeout=timedelta(seconds=timeout)
-        )
-    except RuntimeError as exc:  # DistNetworkError, DistStoreError
-        raise _joined(f"the store at {host}:{port}", rank, timeout, exc) from exc
-
-
-def _start(
-    store: dist.Store,
-    rank: int,
-    world_size: int,
-    backend: str,
-    timeout: float,
-    local_rank: int,
-    transport: str | None = None,
-) -> CollectiveGroup:
-    if "nccl" in backend:
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
-    try:
-        dist.init_process_group(
-            backend,
-            store=store,
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=timeout),
-        )
-    except RuntimeError as exc:  # a peer that never connected (DistError)
-        raise _joined(f"a {backend} process group of {world_size}", rank, timeout, exc) from exc
-    pg = dist.group.WORLD
-    assert pg is not None
-    group = CollectiveGroup(
-        pg, store=store, timeout=timeout, owns_process_group=True, transport=transport
-    )
-    log.info("[rank %d] %s process group of %d ready", rank, backend, world_size)
-    return group
-
-
-def init_process_group_from_env(
-    *,
-    backend: str | None = None,
-    timeout: float | None = None,
-    env: Mapping[str, str] | None = None,
-    transport: str | None = None,
-) -> CollectiveGroup:
-    """Set up the default process group from the launcher's environment.
-
-    Reads ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (and
-    ``LOCAL_RANK`` to pick the GPU, ``LOCAL_WORLD_SIZE`` to count this host's
-    ranks) from ``env`` (default ``os.environ``). ``backend``: see
-    :func:`pick_backend` (default ``"cpu:gloo,cuda:nccl"`` with CUDA, else gloo).
-    ``timeout`` (seconds, default :data:`DEFAULT_TIMEOUT`) bounds set-up and
-    every operation. If the default group already exists it is wrapped (with
-    its own timeout unless ``timeout`` is given), so calling this twice is
-    harmless. ``transport``: how the group's reduce-scatter and all-gather
-    travel (see :mod:`gradhub.transports.choice`; default:
-    ``GRADHUB_TRANSPORT``, else chosen from where the ranks are). The caller
-    owns the returned group: close it (or ``with``).
-    """
-    _check_timeout(timeout)
-    if transport is not None:
-        requested_transport(transport)  # a wrong name fails before anything is set up
-    if dist.is_initialized():
-        return CollectiveGroup.of(None, timeout=timeout, transport=transport)
-    environ = os.environ if env is None else env
-    rank, world_size, local_rank = _launch_env(environ)
-    backend = pick_backend(backend, _env_int(environ, "LOCAL_WORLD_SIZE", 1))
-    limit = DEFAULT_TIMEOUT if timeout is None else float(timeout)
-    td = timedelta(seconds=limit)
-    if env is None:
-        # The env:// rendezvous also handles torchrun's agent-hosted store.
-        try:
-            store, rank, world_size = next(dist.rendezvous("env://", timeout=td))
-        except RuntimeError as exc:
-            where = f"env:// at {environ['MASTER_ADDR']}:{environ['MASTER_PORT']}"
-            raise _joined(where, rank, limit, exc) from exc
-        attempt = _env_int(environ, "TORCHELASTIC_RESTART_COUNT", 0)
-        if attempt:
-            # torchrun's agent keeps its store across restarts: this attempt must
-            # not read the last one's keys (gloo's addresses, check-ins).
-            store = dist.PrefixStore(f"gradhub/attempt-{attempt}", store)
-    else:
-        host, port = environ["MASTER_ADDR"], int(environ["MASTER_PORT"])
-        store = _tcp_store(host, port, world_size, rank, limit)
-    return _start(store, rank, world_size, backend, limit, local_rank, transport)
-
-
-def local_group(
-    rank: int,
-    world_size: int,
-    port: int,
-    *,
-    backend: str | None = None,
-    timeout: float | None = None,
-    transport: str | None = None,
-) -> CollectiveGroup:
-    """Set up the default process group on 127.0.0.1:``port`` (rank 0 hosts the store).
-
-    For tests, examples and benchmarks: every rank calls it with the same
-    ``world_size`` and ``port`` (see :func:`free_loopback_port`). Use it as a
-    context manager to tear the group down. ``timeout`` defaults to
-    :data:`DEFAULT_TIMEOUT`. ``transport``: see :mod:`gradhub.transports.choice`
-    (default: ``GRADHUB_TRANSPORT``, else shared memory on one host, the ring across hosts).
-    """
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-    _check_timeout(timeout)
-    backend = pick_backend(backend, world_size)  # every rank on this host
-    limit = DEFAULT_TIMEOUT if timeout is None else float(timeout)
-    store = _tcp_store("127.0.0.1", port, world_size, rank, limit)
-    return _start(store, rank, world_size, backend, limit, rank, transport)
-
-
-def destroy_process_group() -> None:
-    """Destroy the default process group, if there is one.
-
-    Groups from :func:`local_group` or :func:`init_process_group_from_env`
-    do this when closed; this is for a group whose wrapper was dropped.
-    """
-    if dist.is_initialized():
-        dist.destroy_process_group()
+__all__ = [
+    "BACKENDS",
+    "BOTH",
+    "DEFAULT_TIMEOUT",
+    "Runtime",
+    "destroy_process_group",
+    "free_loopback_port",
+    "init",
+    "init_process_group_from_env",
+    "local_group",
+    "pick_backend",
+]
 
 
 @dataclass(kw_only=True)
@@ -309,8 +140,18 @@ class Runtime:
     max_restarts: int = 0
     """How many restarts the agent allows (``TORCHELASTIC_MAX_RESTARTS``, set by
     ``gradhub run --max-restarts N``; 0: a failed worker ends the job)."""
+    survive: bool = False
+    """Whether this worker outlives a peer's death (``gradhub run --survive``):
+    the job goes on over the survivors (:meth:`regroup`)."""
+    membership: Membership | None = field(default=None, repr=False)
+    """The job's membership where it survives (:mod:`.membership`), else ``None``."""
+    committed_steps: int = 0
+    """Optimizer steps applied on this rank; a failed step of a surviving job is
+    not counted (schedules computed from a step counter use this)."""
+    transport: str | None = field(default=None, repr=False)
     _closed: bool = field(default=False, repr=False)
     _waits: CollectiveGroup | None = field(default=None, repr=False)
+    _listeners: list[Callable[[Regrouped], None]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         # The runtime's own waits run on the caller's thread while operations
@@ -358,6 +199,54 @@ class Runtime:
             self.wait(dist.all_reduce(tensor, async_op=True), "all_reduce", where=where)
         return tensor
 
+    @property
+    def generation(self) -> int:
+        """The membership generation this rank is in (0 without survival)."""
+        return 0 if self.membership is None else self.membership.generation
+
+    def on_regroup(self, fn: Callable[[Regrouped], None]) -> None:
+        """Call ``fn`` after every :meth:`regroup`, on the new group (every rank
+        registers the same listeners in the same order: they may communicate)."""
+        self._listeners.append(fn)
+
+    def regroup(self, cause: BaseException) -> Regrouped:
+        """After a peer's death (``cause``) in a surviving job: leave the group,
+        wait for the next membership, set up the group over the survivors, agree
+        on the furthest state any of them committed and tell the listeners
+        (:meth:`on_regroup`), which bring the ranks behind up to it. Without
+        survival, ``cause`` is raised."""
+        if self.membership is None:
+            raise cause
+        log.warning("[rank %d] %s; regrouping over the survivors", self.rank, cause)
+        while True:
+            abandon(self.group, f"a peer died ({type(cause).__name__})")
+            assert self._waits is not None
+            self._waits.close()
+            self.group.close()
+            record = self.membership.next()
+            try:
+                self.group = rebuild(
+                    self.membership, record, self.backend, self.timeout, self.transport
+                )
+                self.rank, self.world_size = self.group.rank, self.group.world_size
+                self._waits = self.group.sibling()
+                done = Regrouped.agree(self.group, record, self.committed_steps)
+                for fn in self._listeners:
+                    fn(done)
+            except (WorkerFailedError, CollectiveTimeoutError, RendezvousError) as exc:
+                cause = exc  # another death while regrouping: the next generation
+                continue
+            self.committed_steps = done.committed_steps
+            log.warning(
+                "[rank %d] generation %d: %d worker(s) (members %s); continuing from step %d",
+                self.rank,
+                record.number,
+                self.world_size,
+                record.members,
+                done.committed_steps,
+            )
+            return done
+
     def close(self) -> None:
         """Close the group; destroy the process group if this runtime created it.
         Idempotent."""
@@ -376,7 +265,11 @@ class Runtime:
 
 
 def init(
-    *, backend: str | None = None, timeout: float | None = None, transport: str | None = None
+    *,
+    backend: str | None = None,
+    timeout: float | None = None,
+    transport: str | None = None,
+    survive: bool | None = None,
 ) -> Runtime:
     """Join the job: read torchrun's environment and set up the process group.
 
@@ -389,7 +282,12 @@ def init(
     ranks (``"shm"``, ``"hierarchical"``, ``"ring"``, ``"gloo"``; see
     :mod:`gradhub.transports.choice`); by default ``GRADHUB_TRANSPORT``,
     else shared memory on one host and the hierarchical path or the ring
-    across hosts. Every strategy of the job uses it.
+    across hosts. Every strategy of the job uses it. ``survive``: whether
+    this worker outlives a peer's death (:attr:`Runtime.survive`); by
+    default it does where ``gradhub run --survive`` started it, and
+    ``survive=True`` anywhere else is a
+    :class:`~gradhub.errors.LaunchEnvironmentError` (only that launcher keeps
+    the survivors running).
     """
     _check_timeout(timeout)
     if transport is not None:
@@ -397,7 +295,21 @@ def init(
     if backend is not None:
         pick_backend(backend)  # a wrong name fails before anything is set up
     launched = "RANK" in os.environ or "WORLD_SIZE" in os.environ
-    if dist.is_initialized():
+    started_surviving = os.environ.get(SURVIVE_ENV) == "1"
+    if survive and not started_surviving:
+        raise LaunchEnvironmentError(
+            "gradhub.init(survive=True) in a worker not started by `gradhub run --survive`: "
+            "another launcher (torchrun's agent) stops every worker when one dies\n"
+            "- help: start the job with `gradhub run -n N --survive script.py`"
+        )
+    membership = None
+    if started_surviving and survive is not False and not dist.is_initialized():
+        limit = DEFAULT_TIMEOUT if timeout is None else float(timeout)
+        local_rank = _launch_env(os.environ)[2]
+        membership, group = join(
+            os.environ, int(os.environ[MEMBER_ENV]), pick_backend(backend), limit, transport
+        )
+    elif dist.is_initialized():
         group = CollectiveGroup.of(None, timeout=timeout, transport=transport)
         local_rank = _env_int(os.environ, "LOCAL_RANK", group.rank)
     elif launched:
@@ -412,7 +324,7 @@ def init(
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    store = default_store()
+    store = membership.store if membership is not None else default_store()
     assert store is not None, "torch keeps the default group's store"
     runtime = Runtime(
         rank=group.rank,
@@ -426,6 +338,9 @@ def init(
         owns_group=group.owns_process_group,
         restart=_env_int(os.environ, "TORCHELASTIC_RESTART_COUNT", 0),
         max_restarts=_env_int(os.environ, "TORCHELASTIC_MAX_RESTARTS", 0),
+        survive=membership is not None,
+        membership=membership,
+        transport=transport,
     )
     log.debug("rank %d: joined %s", runtime.rank, runtime)
     return runtime

@@ -1,0 +1,229 @@
+"""Who is in a surviving job now, and the group rebuilt over the survivors.
+
+``gradhub run --survive`` (:mod:`gradhub.cli.supervisor`) starts every worker
+on its own, hosts the job's c10d store in the launcher's process (which
+outlives every worker) and keeps the membership there. A worker's death ends
+only that worker; the others go on:
+
+- **The record.** Generation ``g`` of the job is the list of its live
+  members, in rank order, under ``gradhub/survive/members/<g>`` (JSON: the
+  member ids, which are the ranks of generation 0; a replacement gets a new
+  id), and ``gradhub/survive/dead/<g>`` the members that left since ``g - 1``.
+  Only the supervisor writes them: it is the parent of every worker on its
+  host and sees a death the moment it happens (``waitpid``), so no worker
+  has to guess whether a silent peer is dead or slow.
+- **Noticing.** A survivor learns of a death from its transport: shared
+  memory checks every peer's ``pidfd`` each 0.1 s of a wait
+  (:mod:`gradhub.transports.shm_control`), and a socket to a dead process
+  closes at once (gloo, the ring). A survivor that leaves a group for
+  another's death aborts that group's gloo connections
+  (``ProcessGroup.abort``), so a survivor still waiting on it fails within
+  moments too, not at the collective timeout.
+- **Rebuilding** (:meth:`Membership.rebuild`): the old group is aborted and
+  destroyed, the survivor waits for the next generation's record, and the
+  default process group is set up again over the members of that
+  generation, each rank the member's index there (dense, in the old order),
+  on the same store under ``gradhub/gen<g>/`` (fresh keys for gloo's
+  rendezvous and the check-ins), with a new
+  :class:`~gradhub.transports.group.CollectiveGroup` (new shared-memory
+  segments; the old ones are freed with their last mapping).
+- **Too few.** A generation with fewer members than ``--min-workers`` is
+  recorded with ``gradhub/survive/stop/<g>``; each survivor then raises
+  :class:`~gradhub.errors.TooFewWorkersError` naming the dead members.
+- The store's host is the one point that must not die: if the launcher's
+  process dies, the workers' next store access fails and they stop with
+  :class:`~gradhub.errors.WorkerFailedError` naming the store (a whole-job
+  restart from checkpoints covers that case).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from gradhub.errors import LaunchEnvironmentError, TooFewWorkersError, WorkerFailedError
+from gradhub.runtime.setup import _start, _tcp_client
+from gradhub.transports.group import CollectiveGroup
+
+log = logging.getLogger(__name__)
+
+PREFIX = "gradhub/survive/"
+"""Where the membership lives in the job's store."""
+
+SURVIVE_ENV = "GRADHUB_SURVIVE"
+"""Set to ``1`` by ``gradhub run --survive`` in every worker's environment."""
+
+MEMBER_ENV = "GRADHUB_MEMBER"
+"""A worker's member id (its rank in generation 0; a replacement's new id)."""
+
+
+def members_key(generation: int) -> str:
+    return f"{PREFIX}members/{generation}"
+
+
+def dead_key(generation: int) -> str:
+    return f"{PREFIX}dead/{generation}"
+
+
+def stop_key(generation: int) -> str:
+    return f"{PREFIX}stop/{generation}"
+
+
+def group_prefix(generation: int) -> str:
+    """The store prefix of generation ``generation``'s process group."""
+    return f"gradhub/gen{generation}/"
+
+
+def publish(
+    store: dist.Store,
+    generation: int,
+    members: list[int],
+    dead: list[int],
+    *,
+    stop: bool = False,
+) -> None:
+    """Write generation ``generation`` (the supervisor's side). The members
+    key comes last: a worker waiting for it finds the rest written."""
+    store.set(dead_key(generation), json.dumps(dead))
+    if stop:
+        store.set(stop_key(generation), "1")
+    store.set(members_key(generation), json.dumps(members))
+
+
+@dataclass
+class Generation:
+    """One membership record."""
+
+    number: int
+    members: list[int]
+    """Member ids in rank order."""
+    dead: list[int]
+    """Members that left since the previous generation."""
+    stop: bool
+    """Fewer members than the job's minimum: the job ends."""
+
+
+class Membership:
+    """This worker's view of a surviving job's membership (see the module docstring)."""
+
+    def __init__(self, store: dist.Store, member: int, timeout: float) -> None:
+        self.store = store
+        """The job's store itself (not a generation's prefix)."""
+        self.member = member
+        self.timeout = timeout
+        self.generation = 0
+        self.dead: list[int] = []
+        """Every member that has left the job, in the order they left."""
+
+    def read(self, generation: int, timeout: float | None = None) -> Generation:
+        """Generation ``generation``'s record, waiting for it at most ``timeout``
+        seconds (default: the job's timeout)."""
+        limit = self.timeout if timeout is None else timeout
+        key = members_key(generation)
+        try:
+            self.store.wait([key], timedelta(seconds=limit))
+            members = json.loads(self.store.get(key))
+            dead = json.loads(self.store.get(dead_key(generation)))
+            stop = self.store.check([stop_key(generation)])
+        except RuntimeError as exc:  # c10d: the store's host is gone, or the wait timed out
+            raise WorkerFailedError(
+                f"[member {self.member}] the job's membership record {generation} did not "
+                f"come within {limit:g}s ({str(exc).strip().splitlines()[0]}): the "
+                "launcher (gradhub run --survive), which hosts it, died or no worker died"
+            ) from exc
+        return Generation(generation, list(members), list(dead), bool(stop))
+
+    def next(self) -> Generation:
+        """The generation after the current one (waits for the supervisor to
+        record it); raises :class:`TooFewWorkersError` if it ends the job."""
+        record = self.read(self.generation + 1)
+        self.generation = record.number
+        self.dead += record.dead
+        if record.stop:
+            raise TooFewWorkersError(record.dead, self.dead, len(record.members))
+        if self.member not in record.members:
+            raise WorkerFailedError(
+                f"[member {self.member}] this worker is not in the job's generation "
+                f"{record.number} (members {record.members}): the launcher counted it dead"
+            )
+        return record
+
+
+def abandon(group: CollectiveGroup, reason: str) -> None:
+    """Leave ``group`` for good after a peer's death: later operations on it
+    are refused, and its gloo connections are aborted so that a survivor still
+    waiting on this rank fails now (see the module docstring)."""
+    group.mark_broken(reason)
+    try:
+        group.process_group.abort()
+    except RuntimeError as exc:  # a backend without abort: its peers time out
+        log.debug("[rank %d] cannot abort the process group: %s", group.rank, exc)
+
+
+def join(
+    environ: Mapping[str, str],
+    member: int,
+    backend: str,
+    timeout: float,
+    transport: str | None,
+) -> tuple[Membership, CollectiveGroup]:
+    """A surviving worker joins generation 0: the store the launcher hosts at
+    ``MASTER_ADDR:MASTER_PORT``, the first membership record, the group."""
+    try:
+        host, port = environ["MASTER_ADDR"], int(environ["MASTER_PORT"])
+    except (KeyError, ValueError) as exc:
+        raise LaunchEnvironmentError(
+            f"a surviving worker needs MASTER_ADDR and MASTER_PORT ({exc} is missing or "
+            "wrong)\n- help: start the job with `gradhub run -n N --survive script.py`"
+        ) from exc
+    membership = Membership(_tcp_client(host, port, member, timeout), member, timeout)
+    record = membership.read(0)
+    return membership, rebuild(membership, record, backend, timeout, transport)
+
+
+def rebuild(
+    membership: Membership,
+    record: Generation,
+    backend: str,
+    timeout: float,
+    transport: str | None,
+) -> CollectiveGroup:
+    """The default process group over ``record``'s members (this member's rank:
+    its index there), on the job's store under the generation's own prefix."""
+    store = dist.PrefixStore(group_prefix(record.number), membership.store)
+    rank = record.members.index(membership.member)
+    return _start(store, rank, len(record.members), backend, timeout, rank, transport)
+
+
+@dataclass
+class Regrouped:
+    """What the survivors agreed on after a rebuild."""
+
+    generation: int
+    members: list[int]
+    dead: list[int]
+    committed_steps: int
+    """The most steps any survivor applied: every rank continues from there."""
+    source: int
+    """The lowest rank that applied them: the ranks behind take its state."""
+    behind: list[int] = field(default_factory=list)
+    """Ranks that applied fewer steps (a peer died while the last step's results
+    were reaching them): they take the source's state (the listeners' job)."""
+
+    @classmethod
+    def agree(cls, group: CollectiveGroup, record: Generation, committed: int) -> Regrouped:
+        steps = [v[0] for v in group.all_gather_ints([committed], "regroup: committed steps")]
+        best = max(steps)
+        return cls(
+            record.number,
+            record.members,
+            record.dead,
+            best,
+            steps.index(best),
+            [r for r, n in enumerate(steps) if n < best],
+        )

@@ -1,0 +1,132 @@
+"""A step that a peer's death interrupts, in a surviving job (``gradhub run --survive``).
+
+The strategy side of survival (the runtime side, the membership and the
+group rebuilt over the survivors: :mod:`gradhub.runtime.membership`):
+
+- **Nothing raises in the user's loop.** A peer's death seen during the
+  backward's communication (:class:`~gradhub.errors.WorkerFailedError`, or a
+  :class:`~gradhub.errors.CollectiveTimeoutError`) is recorded and the rest
+  of that step's communication is skipped: ``loss.backward()`` returns
+  normally. Without survival the error is raised, as before.
+- **A failed step commits nowhere.** ``optimizer.step()`` of a failed step
+  updates nothing and returns normally: it regroups (the runtime waits for
+  the next membership and sets the group up over the survivors), the
+  strategy rebinds its communication to the new group (:meth:`_rebind`),
+  and the step's gradients are dropped. The loop then trains the same
+  global batch again, split over the survivors (``fit``, or
+  :class:`gradhub.GlobalBatchSampler` in an own loop).
+- **Every survivor continues from the same state.** A peer may die while the
+  last step's results are still reaching some ranks: those that got them
+  all applied the step, the others did not. After a regroup the survivors
+  agree on the most steps any of them applied; the lowest rank that
+  applied them sends its parameters, buffers and optimizer state to the
+  ranks behind (a broadcast over the new group), so the replicas stay
+  bit-identical and no applied step is trained twice.
+- A strategy survives where it says so (:attr:`survives`) and implements
+  :meth:`_rebind`; the others refuse ``--survive`` at ``prepare`` with
+  :class:`~gradhub.errors.UnsupportedByStrategyError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from gradhub.errors import CollectiveTimeoutError, UnsupportedByStrategyError, WorkerFailedError
+
+if TYPE_CHECKING:
+    from gradhub.runtime import Runtime
+    from gradhub.runtime.membership import Regrouped
+
+PEER_FAILURES = (WorkerFailedError, CollectiveTimeoutError)
+"""What a peer's death (or silence) raises in a step's communication."""
+
+
+class Survival:
+    """The survival part of :class:`~gradhub.train.strategies.base.Strategy`."""
+
+    name: ClassVar[str]
+    survives: ClassVar[bool] = False
+    """Whether the strategy keeps training over the survivors of a peer's death."""
+
+    model: torch.nn.Module | None
+    optimizer: torch.optim.Optimizer | None
+    steps: int
+    _synced: bool
+    _samples: tuple[int, int | None] | None
+
+    failed_steps = 0
+    """Steps a peer's death interrupted (each trained again over the survivors)."""
+
+    _failure: BaseException | None = None
+    state_dict: Callable[[], dict[str, Any]]
+    load_state_dict: Callable[[dict[str, Any]], None]
+
+    @property
+    def runtime(self) -> Runtime:
+        raise NotImplementedError
+
+    def _join_survival(self, runtime: Runtime) -> None:
+        """At set-up: refuse a job that survives unless this strategy does."""
+        if not runtime.survive:
+            return
+        if not self.survives:
+            raise UnsupportedByStrategyError(
+                f"strategy {self.name!r} does not survive a worker's death yet: its state "
+                "lives partly on each worker\n- help: use strategy='allreduce' under "
+                "`gradhub run --survive`, or drop --survive"
+            )
+        runtime.on_regroup(self._regrouped)
+
+    def _failed(self, exc: BaseException) -> None:
+        """A peer failure during the step's communication: raised without survival,
+        else recorded (the step is then trained again)."""
+        if self._runtime_survives():
+            self._failure = exc
+        else:
+            raise exc
+
+    def _runtime_survives(self) -> bool:
+        return self.runtime.survive
+
+    @property
+    def step_failed(self) -> bool:
+        """Whether a peer's death interrupted the current step (so far)."""
+        return self._failure is not None
+
+    def _recover(self) -> None:
+        """``optimizer.step()`` of a failed step: regroup, drop the step's gradients."""
+        exc, self._failure = self._failure, None
+        self._synced, self._samples = False, None
+        self.failed_steps += 1
+        if self.model is not None:
+            for p in self.model.parameters():
+                p.grad = None
+        if exc is not None:
+            self.runtime.regroup(exc)
+
+    def _regrouped(self, done: Regrouped) -> None:
+        """After the runtime's regroup: communication on the new group, then the
+        ranks behind take the furthest state (see the module docstring)."""
+        self._rebind()
+        if done.behind:
+            self._heal(done)
+
+    def _rebind(self) -> None:
+        """Point the strategy's communication at ``self.runtime.group`` (new after
+        a regroup); the strategies that survive implement it."""
+        raise NotImplementedError
+
+    def _heal(self, done: Regrouped) -> None:
+        assert self.model is not None
+        rank = self.runtime.rank
+        payload: list[Any] = [None]
+        if rank == done.source:
+            payload[0] = {"model": self.model.state_dict(), "strategy": self.state_dict()}
+        dist.broadcast_object_list(payload, src=done.source)
+        if rank in done.behind:
+            self.model.load_state_dict(payload[0]["model"])
+            self.load_state_dict(payload[0]["strategy"])
