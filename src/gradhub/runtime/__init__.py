@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,6 +68,7 @@ from gradhub.errors import (
 from gradhub.runtime.membership import (
     MEMBER_ENV,
     SURVIVE_ENV,
+    BatchShare,
     Membership,
     Regrouped,
     abandon,
@@ -95,8 +97,10 @@ log = logging.getLogger(__name__)
 __all__ = [
     "BACKENDS",
     "BOTH",
+    "BatchShare",
     "DEFAULT_TIMEOUT",
     "Runtime",
+    "current",
     "destroy_process_group",
     "free_loopback_port",
     "init",
@@ -152,6 +156,9 @@ class Runtime:
     _closed: bool = field(default=False, repr=False)
     _waits: CollectiveGroup | None = field(default=None, repr=False)
     _listeners: list[Callable[[Regrouped], None]] = field(default_factory=list, repr=False)
+    batches: deque[BatchShare] = field(default_factory=lambda: deque(maxlen=1024), repr=False)
+    """The shares :class:`gradhub.GlobalBatchSampler` handed out and no backward has
+    taken yet, oldest first (each synchronising backward takes one)."""
 
     def __post_init__(self) -> None:
         # The runtime's own waits run on the caller's thread while operations
@@ -264,6 +271,10 @@ class Runtime:
         self.close()
 
 
+_current: Runtime | None = None
+"""The runtime :func:`init` returned last in this process."""
+
+
 def init(
     *,
     backend: str | None = None,
@@ -294,6 +305,9 @@ def init(
         requested_transport(transport)  # a wrong name fails before anything is set up
     if backend is not None:
         pick_backend(backend)  # a wrong name fails before anything is set up
+    global _current
+    if _current is not None and _current.survive and not _current.closed:
+        return _current  # a surviving job's runtime outlives its process groups
     launched = "RANK" in os.environ or "WORLD_SIZE" in os.environ
     started_surviving = os.environ.get(SURVIVE_ENV) == "1"
     if survive and not started_surviving:
@@ -343,4 +357,10 @@ def init(
         transport=transport,
     )
     log.debug("rank %d: joined %s", runtime.rank, runtime)
+    _current = runtime
     return runtime
+
+
+def current() -> Runtime | None:
+    """The runtime :func:`init` returned last in this process, while it is open."""
+    return _current if _current is not None and not _current.closed else None

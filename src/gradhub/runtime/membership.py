@@ -227,3 +227,21 @@ class Regrouped:
             steps.index(best),
             [r for r, n in enumerate(steps) if n < best],
         )
+
+
+@dataclass(frozen=True)
+class BatchShare:
+    """One rank's share of one global batch, as a global-batch sampler handed it out."""
+
+    generation: int
+    """The membership generation it was split for."""
+    step: int | None
+    """The committed-step count at which it is to be trained (``None``: a
+    placeholder that only keeps a prefetching loader going, never trained)."""
+    samples: int
+    global_samples: int
+
+    def current(self, generation: int, committed_steps: int) -> bool:
+        """Whether it is the batch to train now (else a failure or a peer's
+        step made it stale: trained locally, never sent nor applied)."""
+        return self.generation == generation and self.step == committed_steps

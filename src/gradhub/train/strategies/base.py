@@ -230,6 +230,7 @@ class Strategy(LossScaling, ForwardSide, Survival, abc.ABC):
             at_forward, self._sync_at_forward = self._sync_at_forward, None
             self._syncing = self.sync if at_forward is None else at_forward
             if self._syncing:
+                self._take_share()
                 self._begin_sync()
         if self._syncing and self._failure is None:
             try:

@@ -39,10 +39,17 @@ from gradhub.errors import CollectiveTimeoutError, UnsupportedByStrategyError, W
 
 if TYPE_CHECKING:
     from gradhub.runtime import Runtime
-    from gradhub.runtime.membership import Regrouped
+    from gradhub.runtime.membership import BatchShare, Regrouped
 
 PEER_FAILURES = (WorkerFailedError, CollectiveTimeoutError)
 """What a peer's death (or silence) raises in a step's communication."""
+
+
+class StaleShare(Exception):
+    """Marks a step whose batch a regroup made stale (never raised)."""
+
+    def __init__(self, share: BatchShare) -> None:
+        super().__init__(f"stale share of step {share.step} (generation {share.generation})")
 
 
 class Survival:
@@ -61,7 +68,11 @@ class Survival:
     failed_steps = 0
     """Steps a peer's death interrupted (each trained again over the survivors)."""
 
+    stale_steps = 0
+    """Steps trained on a share a regroup made stale (a prefetching loader's), never applied."""
+
     _failure: BaseException | None = None
+    set_samples: Callable[[int, int | None], None]
     state_dict: Callable[[], dict[str, Any]]
     load_state_dict: Callable[[dict[str, Any]], None]
 
@@ -97,11 +108,31 @@ class Survival:
         """Whether a peer's death interrupted the current step (so far)."""
         return self._failure is not None
 
+    def _take_share(self) -> None:
+        """A synchronising backward starts: take the share of a global batch it
+        trains, if a :class:`gradhub.GlobalBatchSampler` handed one out. Its
+        samples weight this rank (unless the loop called ``set_samples``); one
+        made stale by a regroup (or trained by a peer already) is trained
+        locally only: nothing is sent, and the step applies nothing."""
+        rt = self.runtime
+        if not rt.batches:
+            return
+        share = rt.batches.popleft()
+        if rt.survive and not share.current(rt.generation, rt.committed_steps):
+            self._failure = StaleShare(share)
+            return
+        if self._samples is None and getattr(self, "_hook", None) is None:
+            self.set_samples(share.samples, share.global_samples)
+
     def _recover(self) -> None:
         """``optimizer.step()`` of a failed step: regroup, drop the step's gradients."""
         exc, self._failure = self._failure, None
         self._synced, self._samples = False, None
-        self.failed_steps += 1
+        if isinstance(exc, StaleShare):
+            self.stale_steps += 1
+            exc = None
+        else:
+            self.failed_steps += 1
         if self.model is not None:
             for p in self.model.parameters():
                 p.grad = None
