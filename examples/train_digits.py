@@ -33,7 +33,7 @@ from sklearn.datasets import load_digits
 
 import gradhub
 from gradhub.errors import RunFolderExistsError, SecretFileError
-from gradhub.ps.config import read_secret_file
+from gradhub.ps.secret import read_secret_file
 
 
 def main() -> None:

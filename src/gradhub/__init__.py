@@ -30,10 +30,10 @@ from gradhub.errors import (
 )
 from gradhub.merge import ModelUpdate, WorkerUpdate, merge_worker_updates, split_batch
 from gradhub.ps.base import ParameterServer
-from gradhub.ps.config import ServerConfig
-from gradhub.ps.launch import ServerHandle, start_server
+from gradhub.ps.client.remote import RemoteParameterServer
 from gradhub.ps.local import LocalParameterServer
-from gradhub.ps.remote import RemoteParameterServer
+from gradhub.ps.server.config import ServerConfig
+from gradhub.ps.server.launch import ServerHandle, start_server
 from gradhub.runtime import Runtime, init
 from gradhub.train.distributed_optimizer import DistributedOptimizer
 from gradhub.train.fit_config import FitConfig, FitResult

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from gpu_jobs import STRATEGIES, strategies_job
-from gradhub.ps.config import ServerConfig
-from gradhub.ps.launch import start_server
+from gradhub.ps.server.config import ServerConfig
+from gradhub.ps.server.launch import start_server
 from harness import run_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]

@@ -37,7 +37,7 @@ sys.path.insert(
 
 import gradhub
 from gradhub.collective import all_reduce
-from gradhub.ps.config import read_secret_file
+from gradhub.ps.secret import read_secret_file
 from gradhub.train.strategies import make_strategy
 from gradhub.transports import choice as transport
 from train_helpers import fixed_data, tiny_model
@@ -74,7 +74,7 @@ def refused(address: str, secret: bytes | None) -> dict[str, Any]:
     The client waits up to :data:`REFUSAL_WAIT` seconds for the server, so a
     refusal (one round trip) and a timeout are far apart in ``seconds``.
     """
-    from gradhub.ps.remote import RemoteParameterServer
+    from gradhub.ps.client.remote import RemoteParameterServer
 
     def pull(worker_id: int, key: bytes | None) -> dict[str, Any]:
         begin = time.monotonic()

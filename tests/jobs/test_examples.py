@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 import gradhub
-from gradhub.ps.config import ServerConfig
-from gradhub.ps.launch import start_server
+from gradhub.ps.server.config import ServerConfig
+from gradhub.ps.server.launch import start_server
 from harness import run_ranks
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

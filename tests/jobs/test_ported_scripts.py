@@ -25,8 +25,8 @@ from typing import Any
 
 import pytest
 
-from gradhub.ps.config import ServerConfig
-from gradhub.ps.launch import start_server
+from gradhub.ps.server.config import ServerConfig
+from gradhub.ps.server.launch import start_server
 from harness import run_ranks
 from ported_jobs import run_script
 

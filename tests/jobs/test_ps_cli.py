@@ -8,7 +8,7 @@ from pathlib import Path
 
 from gradhub.cli._flags import config_kwargs, field_docs
 from gradhub.cli.main import build_parser
-from gradhub.ps.config import ServerConfig
+from gradhub.ps.server.config import ServerConfig
 
 
 def _serve_config(*argv: str) -> ServerConfig:

@@ -12,7 +12,7 @@ from gradhub import (
     ShapeMismatchError,
     UnknownParameterError,
 )
-from gradhub.ps.store import ParameterStore
+from gradhub.ps.server.store import ParameterStore
 
 
 class CountingSGD(torch.optim.SGD):

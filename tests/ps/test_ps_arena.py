@@ -24,8 +24,8 @@ from gradhub import (
     WorkerFailedError,
     start_server,
 )
-from gradhub.ps import arena, protocol
-from gradhub.ps.protocol import Header, Op
+from gradhub.ps.wire import arena, protocol
+from gradhub.ps.wire.protocol import Header, Op
 from harness import wait_until
 
 pytestmark = pytest.mark.skipif(not arena.enabled(True), reason="needs memfd and send_fds")

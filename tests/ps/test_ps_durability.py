@@ -20,7 +20,7 @@ import torch
 
 from gradhub import RemoteParameterServer, ServerConfig, ShapeMismatchError, start_server
 from gradhub.errors import ServerTimeoutError
-from gradhub.ps.launch import ServerHandle
+from gradhub.ps.server.launch import ServerHandle
 from harness import free_port
 
 FAST = {"timeout": 30.0, "heartbeat_interval": 0.1, "retry_interval": 0.5}
@@ -239,7 +239,7 @@ def test_sync_worker_dropped_mid_round_keeps_its_acknowledged_pushes(run: int) -
 
 def reopened(path: Path) -> tuple[list[list[bytes]], int]:
     """The records and the end of the log at ``path``, as a restarted server reads them."""
-    from gradhub.ps.wal import WriteAheadLog
+    from gradhub.ps.server.wal import WriteAheadLog
 
     log = WriteAheadLog(path)
     try:
@@ -249,7 +249,7 @@ def reopened(path: Path) -> tuple[list[list[bytes]], int]:
 
 
 def test_write_ahead_log_round_trip_empty_frames_and_torn_tail(tmp_path: Path) -> None:
-    from gradhub.ps.wal import PREALLOCATE, WriteAheadLog
+    from gradhub.ps.server.wal import PREALLOCATE, WriteAheadLog
 
     path = tmp_path / "a.wal"
     records = [[b"head", b"", b"", b"payload" * 100], [b"h2", b"", b"", b""], [b"x" * 70_000]]

@@ -24,8 +24,8 @@ from gradhub import (
     ServerUnavailableError,
     start_server,
 )
-from gradhub.ps.launch import ServerHandle
-from gradhub.ps.protocol import Op
+from gradhub.ps.server.launch import ServerHandle
+from gradhub.ps.wire.protocol import Op
 from harness import free_port
 
 SECRET = "s3cret"
@@ -67,7 +67,7 @@ def test_a_secret_sent_to_a_server_without_one_is_refused(open_server: ServerHan
 
 
 def test_secret_whitespace_is_stripped_the_same_on_both_sides(tmp_path: Path) -> None:
-    from gradhub.ps.config import read_secret_file
+    from gradhub.ps.server.config import read_secret_file
 
     path = tmp_path / "secret.txt"
     path.write_text(SECRET + "\n")  # as an editor saves it

@@ -17,7 +17,7 @@ import torch
 from gradhub import LocalParameterServer, RemoteParameterServer, ServerConfig, start_server
 from gradhub.errors import OptimizerMismatchError, ShapeMismatchError
 from gradhub.optim import OptimizerSpec
-from gradhub.ps.launch import ServerHandle
+from gradhub.ps.server.launch import ServerHandle
 
 ADAM = OptimizerSpec.of("adam", lr=0.05, betas=(0.8, 0.99))
 
@@ -234,7 +234,7 @@ def test_a_key_keeps_its_spec_and_state_across_a_restart(tmp_path: Path) -> None
 def test_store_sgd_gives_torch_sgd_bits_with_a_changing_lr(momentum: float) -> None:
     # Plain SGD is applied as value.add_(grad, alpha=-lr) without Optimizer.step;
     # with momentum the step is torch's own. Both must be torch's bits.
-    from gradhub.ps.store import ParameterStore
+    from gradhub.ps.server.store import ParameterStore
 
     spec = OptimizerSpec.of("sgd", lr=0.1, momentum=momentum)
     start, grads = torch.randn(1000, generator=torch.Generator().manual_seed(1)), _grads(5, (1000,))

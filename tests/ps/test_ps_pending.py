@@ -11,7 +11,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, InvalidStateError, wait
 
 import pytest
 
-from gradhub.ps.pending import Pending, all_of
+from gradhub.ps.client.pending import Pending, all_of
 
 
 class _Idle:

@@ -11,12 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gradhub.errors import AuthenticationError, OversizedError, ProtocolError, UnknownOpError
-from gradhub.ps import protocol
-from gradhub.ps.config import ServerConfig, is_loopback
-from gradhub.ps.consistency import Consistency
-from gradhub.ps.dedupe import Ledger
-from gradhub.ps.protocol import Header, Op, Status
-from gradhub.ps.rejects import LOG_EVERY, REFUSALS_PER_SECOND, Rejects
+from gradhub.ps.server.config import ServerConfig, is_loopback
+from gradhub.ps.server.consistency import Consistency
+from gradhub.ps.server.dedupe import Ledger
+from gradhub.ps.server.rejects import LOG_EVERY, REFUSALS_PER_SECOND, Rejects
+from gradhub.ps.wire import protocol
+from gradhub.ps.wire.protocol import Header, Op, Status
 
 SECRET = b"s3cret"
 
@@ -313,7 +313,7 @@ def test_rejected_peers_are_logged_at_most_once_per_interval(
 ) -> None:
     clock = _Clock()
     rejects = Rejects({}, clock=clock)
-    with caplog.at_level(logging.WARNING, logger="gradhub.ps.rejects"):
+    with caplog.at_level(logging.WARNING, logger="gradhub.ps.server.rejects"):
         _refusals(rejects, 100)
         assert len(caplog.records) == 1  # the first at once, then none
         clock.now += LOG_EVERY / 2

@@ -27,9 +27,9 @@ from gradhub import (
     start_server,
 )
 from gradhub.cli.main import main as cli_main
-from gradhub.ps import protocol
-from gradhub.ps.launch import ServerHandle
-from gradhub.ps.protocol import Header, Op
+from gradhub.ps.server.launch import ServerHandle
+from gradhub.ps.wire import protocol
+from gradhub.ps.wire.protocol import Header, Op
 
 SECRET = "correct horse"
 

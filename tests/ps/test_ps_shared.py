@@ -26,8 +26,8 @@ from gradhub import (
     StateError,
     start_server,
 )
-from gradhub.ps import arena
-from gradhub.ps.launch import ServerHandle
+from gradhub.ps.server.launch import ServerHandle
+from gradhub.ps.wire import arena
 from harness import free_port, wait_until
 
 pytestmark = pytest.mark.skipif(not arena.enabled(True), reason="needs memfd and send_fds")

@@ -12,9 +12,9 @@ import torch
 import zmq
 
 from gradhub import GradhubTimeoutError, RemoteParameterServer, ServerConfig, start_server
-from gradhub.ps import protocol
-from gradhub.ps.consistency import Consistency
-from gradhub.ps.protocol import Header, Op, Status
+from gradhub.ps.server.consistency import Consistency
+from gradhub.ps.wire import protocol
+from gradhub.ps.wire.protocol import Header, Op, Status
 
 
 def _ask(sock: zmq.Socket[Any], header: Header, secret: bytes | None = None) -> Any:
@@ -29,7 +29,7 @@ def test_a_stale_or_unknown_shutdown_is_refused_and_the_server_keeps_serving(
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0
-    caplog.set_level(logging.WARNING, logger="gradhub.ps.server")
+    caplog.set_level(logging.WARNING, logger="gradhub.ps.server.server")
     with start_server(ServerConfig(lr=1.0), in_thread=True) as server:
         try:
             sock.connect(server.address)

@@ -1,4 +1,4 @@
-"""The small-message path (``gradhub.ps.protocol.small`` and its callers) against
+"""The small-message path (``gradhub.ps.wire.protocol.small`` and its callers) against
 the general one: the same bytes on the wire, the same checks, the same server
 state and replies, and exactly-once kept for a retried small push. On the client,
 a push's bytes come from one numpy view (``small.wire_of``); on the server, a
@@ -21,12 +21,12 @@ from hypothesis import strategies as st
 from gradhub import RemoteParameterServer, ServerConfig, start_server
 from gradhub.errors import ProtocolError
 from gradhub.optim import OptimizerSpec
-from gradhub.ps import protocol
-from gradhub.ps import remote as remote_module
-from gradhub.ps.dedupe import Ledger
-from gradhub.ps.protocol import FLAG_REPLY, Header, Op, Status, small
-from gradhub.ps.protocol.message import DTYPES
-from gradhub.ps.store import ParameterStore
+from gradhub.ps.client import remote as remote_module
+from gradhub.ps.server.dedupe import Ledger
+from gradhub.ps.server.store import ParameterStore
+from gradhub.ps.wire import protocol
+from gradhub.ps.wire.protocol import FLAG_REPLY, Header, Op, Status, small
+from gradhub.ps.wire.protocol.message import DTYPES
 
 _SECRETS = st.sampled_from([None, b"k" * 32])
 _KEYS = st.text(min_size=0, max_size=12)

@@ -31,8 +31,8 @@ import torch
 
 from conformance_checks_state import from_bytes
 from conformance_jobs import ALL, SYNC, TIMEOUT, conformance_job, mlp
-from gradhub.ps.config import ServerConfig
-from gradhub.ps.launch import start_server
+from gradhub.ps.server.config import ServerConfig
+from gradhub.ps.server.launch import start_server
 from harness import RankResult, run_ranks
 
 pytestmark = pytest.mark.slow

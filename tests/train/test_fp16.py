@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradhub
-from gradhub.ps.config import ServerConfig
-from gradhub.ps.consistency import Consistency
-from gradhub.ps.launch import start_server
+from gradhub.ps.server.config import ServerConfig
+from gradhub.ps.server.consistency import Consistency
+from gradhub.ps.server.launch import start_server
 from gradhub.train.strategies import make_strategy
 from harness import run_ranks
 

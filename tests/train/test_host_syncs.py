@@ -15,8 +15,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from gradhub.ps.config import ServerConfig
-from gradhub.ps.launch import ServerHandle, start_server
+from gradhub.ps.server.config import ServerConfig
+from gradhub.ps.server.launch import ServerHandle, start_server
 from harness import run_ranks
 from host_sync_jobs import count_reads, steady_step_reads
 

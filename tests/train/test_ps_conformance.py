@@ -16,9 +16,9 @@ import torch.distributed as dist
 import gradhub
 from gradhub.errors import CollectiveTimeoutError, LaunchEnvironmentError, RendezvousError
 from gradhub.optim import OptimizerSpec
-from gradhub.ps.config import ServerConfig
-from gradhub.ps.launch import start_server
-from gradhub.ps.store import ParameterStore
+from gradhub.ps.server.config import ServerConfig
+from gradhub.ps.server.launch import start_server
+from gradhub.ps.server.store import ParameterStore
 from gradhub.train.strategies.ps import ADDRESSES_KEY, published_addresses
 from harness import run_ranks
 from ps_conformance_jobs import Case, adamw, broadcast_timeout_job, ps_sync_job, reference

@@ -12,8 +12,8 @@ import torch
 
 import gradhub
 from gradhub.errors import NotPreparedError, OptimizerMismatchError
-from gradhub.ps.config import ServerConfig
-from gradhub.ps.launch import ServerHandle, start_server
+from gradhub.ps.server.config import ServerConfig
+from gradhub.ps.server.launch import ServerHandle, start_server
 from harness import run_ranks
 from prepare_jobs import (
     compiled,

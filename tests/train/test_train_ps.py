@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import gradhub
-from gradhub.ps.config import ServerConfig
-from gradhub.ps.launch import ServerHandle, start_server
+from gradhub.ps.server.config import ServerConfig
+from gradhub.ps.server.launch import ServerHandle, start_server
 from gradhub.train.strategies import make_strategy
 from harness import run_ranks
 from train_helpers import fixed_data, reference_step, sgd, tiny_model, uneven_steps

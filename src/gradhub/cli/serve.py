@@ -1,6 +1,6 @@
 """``gradhub serve``: run one parameter-server process (a thin front over ServerConfig).
 
-Its flags are generated from :class:`~gradhub.ps.config.ServerConfig`: one
+Its flags are generated from :class:`~gradhub.ps.server.config.ServerConfig`: one
 source of defaults and help texts. One default differs on the command line:
 ``--bind`` is ``tcp://127.0.0.1:5555`` (a fixed port workers can be told).
 """
@@ -14,8 +14,8 @@ from typing import Any
 
 from gradhub.cli._flags import add_config_flags, config_kwargs
 from gradhub.errors import GradhubError
-from gradhub.ps.config import ServerConfig
-from gradhub.ps.server import Server, configure_process
+from gradhub.ps.server.config import ServerConfig
+from gradhub.ps.server.server import Server, configure_process
 
 _SKIP = ("name",)
 

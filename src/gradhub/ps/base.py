@@ -146,7 +146,7 @@ class ParameterServer(abc.ABC):
         that :meth:`push` and :meth:`pull` move with the fewest copies.
 
         A :class:`~gradhub.RemoteParameterServer` places it in its shared-memory
-        arena (:mod:`gradhub.ps.arena.shared`): a server on this host reads a push
+        arena (:mod:`gradhub.ps.client.shared_tensors`): a server on this host reads a push
         of it, and writes a pull into it, where it lies, with no copy in the
         client. Elsewhere it is an ordinary tensor. Either way it is yours: use
         it as any tensor; the rule of every asynchronous call holds, only more

@@ -1,7 +1,7 @@
 """LocalParameterServer: an in-process, thread-safe parameter server.
 
 One worker thread runs the queued ``push`` and ``pull`` operations against a
-:class:`~gradhub.ps.store.ParameterStore`. See :mod:`gradhub.ps.base` for the
+:class:`~gradhub.ps.server.store.ParameterStore`. See :mod:`gradhub.ps.base` for the
 interface's semantics.
 
 Decisions:
@@ -31,7 +31,7 @@ Decisions:
   brings an :class:`~gradhub.optim.OptimizerSpec` gets that optimizer. With an
   ``optimizer`` (factory or spec) the server is fixed to it, and an ``init``
   bringing a different spec is an ``OptimizerMismatchError``. See
-  :mod:`gradhub.ps.store`.
+  :mod:`gradhub.ps.server.store`.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from gradhub.errors import (
 from gradhub.optim import OptimizerFactory, OptimizerSpec
 from gradhub.ps.base import ParameterServer, Replicas, as_replicas, check_key, check_like
 from gradhub.ps.lanes import PriorityLanes
-from gradhub.ps.store import ParameterStore
+from gradhub.ps.server.store import ParameterStore
 from gradhub.trees import all_finite
 
 logger = logging.getLogger(__name__)

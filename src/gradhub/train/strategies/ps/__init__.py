@@ -1,6 +1,6 @@
 """``ps-async``, ``ps-sync``, ``ps-ssp``: training against parameter servers.
 
-Each rank is a worker of :class:`~gradhub.ps.remote.RemoteParameterServer`
+Each rank is a worker of :class:`~gradhub.ps.client.remote.RemoteParameterServer`
 (worker id = rank). The servers hold the parameters and run the optimizer,
 built from the script's (:class:`~gradhub.optim.OptimizerSpec`). One step:
 
@@ -90,7 +90,7 @@ Other decisions:
 
 from __future__ import annotations
 
-from gradhub.ps.addresses import ADDRESSES_KEY
+from gradhub.ps.client.addresses import ADDRESSES_KEY
 from gradhub.train.strategies.ps.discovery import PSConfig, published_addresses
 from gradhub.train.strategies.ps.strategy import AsyncPSStrategy, SSPPSStrategy, SyncPSStrategy
 

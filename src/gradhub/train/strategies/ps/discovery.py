@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from gradhub import codecs
 from gradhub.errors import LaunchEnvironmentError, RendezvousError
-from gradhub.ps.addresses import ADDRESSES_KEY
+from gradhub.ps.client.addresses import ADDRESSES_KEY
 
 """Key in the launcher's c10d store under which ``gradhub run --servers`` puts
 the parameter-server addresses (a JSON list of ZeroMQ endpoints)."""

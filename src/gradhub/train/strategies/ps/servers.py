@@ -61,7 +61,7 @@ def wire_name(name: str, generation: int) -> str:
 
 def connect(config: PSConfig, rank: int, addresses: list[str], mode: str, name: str) -> Any:
     """A client of the servers at ``addresses``, checked to run in ``mode``; and their reports."""
-    from gradhub.ps.remote import RemoteParameterServer
+    from gradhub.ps.client.remote import RemoteParameterServer
 
     client = RemoteParameterServer(
         addresses,
