@@ -34,10 +34,12 @@ CPU, GPU0, GPU1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("cu
 
 
 class StandIn:
-    """What choice.py and staging.py read of a CollectiveGroup."""
+    """What choice.py and staging.py read of a CollectiveGroup (and the
+    transports they make, on construction: rank and size)."""
 
     def __init__(self, backend: str, world_size: int = 2, transport: str | None = None) -> None:
         self.backend, self.world_size, self.transport = backend, world_size, transport
+        self.rank = 0
         self.backends = device_backends(backend)
         self.device = CPU if "cpu" in self.backends else GPU0
         self.transport_choice: Any = None

@@ -1,4 +1,4 @@
-"""The transport interface on real processes: every transport through `select`.
+"""The transport interface on real processes: every transport through `begin`.
 
 One 3-rank job runs the shared-memory, ring and backend ("gloo") transports
 side by side on one process group (a wrapper each), plus a 1-rank group per
@@ -22,7 +22,7 @@ import torch.distributed as dist
 from gradhub import codecs
 from gradhub.collective import CollectiveGroup, all_gather, all_reduce, local_group, reduce_scatter
 from gradhub.errors import ClosedError, WorkerFailedError
-from gradhub.transports import Chunking, checks_in, chosen, select
+from gradhub.transports import Chunking, begin, chosen
 from gradhub.transports.shm import supported
 from harness import free_port, run_ranks
 
@@ -46,8 +46,8 @@ def on_worker(group: CollectiveGroup, name: str, body: Any) -> Any:
     """Run ``body(transport, op)`` as one operation on the group's worker thread."""
 
     def run() -> Any:
-        op = group.begin(name, check_in=checks_in(group))
-        return body(select(group, op), op)
+        op, transport = begin(group, name)
+        return body(transport, op)
 
     return group.submit(name, run).wait()
 

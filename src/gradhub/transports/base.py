@@ -1,12 +1,16 @@
 """The transport interface: what every way of moving a collective's bytes promises.
 
-A :class:`Transport` belongs to one :class:`~.group.CollectiveGroup` (it is
-made by :func:`.choice.select`, the one place that picks it, and closed with
-the group). Callers (:mod:`gradhub.collective.collectives`, hence
+A :class:`Transport` belongs to one :class:`~.group.CollectiveGroup`, which
+holds it (:attr:`~.group.CollectiveGroup.transport_choice`,
+:attr:`~.group.CollectiveGroup.device_transport`): it is made by
+:func:`.choice.select`, the one place that picks it, and closed with the
+group. The interface itself knows only the rank and the group's size (an
+implementation keeps its group), so the group can name this class without
+an import circle. Callers (:mod:`gradhub.collective.collectives`, hence
 ``AllReduceParameter``, the strategies and the torch.distributed backend)
 reach it only through these methods, on the group's worker thread, inside an
-:class:`~.operation.Operation` begun with :meth:`CollectiveGroup.begin`
-(``check_in=transport.checks_in``).
+:class:`~.operation.Operation` begun with :func:`.choice.begin` (which
+checks in through the store unless ``transport.checks_in`` is false).
 
 Contract, for every implementation:
 
@@ -50,7 +54,6 @@ import torch
 
 from gradhub import codecs
 from gradhub.partition import partition_ranges
-from gradhub.transports.group import CollectiveGroup
 from gradhub.transports.operation import Operation
 
 DEFAULT_PIPELINE_ELEMENTS = 1 << 21
@@ -96,8 +99,11 @@ class Transport(ABC):
     ring_order: ClassVar[bool] = True
     """Whether sums are the ring's bits (see the module docstring)."""
 
-    def __init__(self, group: CollectiveGroup):
-        self.group = group
+    def __init__(self, rank: int, world_size: int):
+        self.rank = rank
+        """This process's rank in the group."""
+        self.world_size = world_size
+        """The number of ranks of the group."""
 
     @abstractmethod
     def reduce_scatter(
@@ -131,8 +137,8 @@ class Transport(ABC):
         """``flat`` = its sum over the ranks, in place: a reduce-scatter into this
         rank's own slice, then an all-gather over ``flat`` (the same bits as the
         two calls), within ``op``'s one deadline."""
-        ranges = partition_ranges(flat.numel(), self.group.world_size)
-        start, length = ranges[self.group.rank]
+        ranges = partition_ranges(flat.numel(), self.world_size)
+        start, length = ranges[self.rank]
         own = flat[start : start + length]
         self.reduce_scatter(op, flat, codec, ranges, own, chunking)
         wire = own if isinstance(codec, codecs.NoCompression) else codec.encode(own)

@@ -87,14 +87,14 @@ def select(group: CollectiveGroup, op: Operation, device: torch.device | None = 
     that every rank runs); cached afterwards, and closed with the group.
     """
     if device is not None and apart(group, device):
-        found: Transport | None = group.device_transport
+        found = group.device_transport
         if found is None:
             native = requested(group.transport) == "gloo"
             found = NativeTransport(group) if native else RingTransport(group)
             group.device_transport = found
             group.on_close(lambda: _release(group, "device_transport"))
         return found
-    transport: Transport | None = group.transport_choice
+    transport = group.transport_choice
     if transport is None:
         transport = _decide(group, op)
         group.transport_choice = transport
@@ -116,7 +116,7 @@ def apart(group: CollectiveGroup, device: torch.device) -> bool:
 
 def chosen(group: CollectiveGroup) -> str | None:
     """The group's transport name once it has been chosen, else ``None``."""
-    transport: Transport | None = group.transport_choice
+    transport = group.transport_choice
     return None if transport is None else transport.name
 
 
@@ -138,7 +138,7 @@ def checks_in(group: CollectiveGroup, device: torch.device | None = None) -> boo
     through the store: yes until a transport that tells by itself who entered
     is chosen."""
     apart_ = device is not None and apart(group, device)
-    transport: Transport | None = group.device_transport if apart_ else group.transport_choice
+    transport = group.device_transport if apart_ else group.transport_choice
     return transport is None or transport.checks_in
 
 

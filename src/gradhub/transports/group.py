@@ -67,6 +67,7 @@ from gradhub.errors import (
     StateError,
     WorkerFailedError,
 )
+from gradhub.transports.base import Transport
 from gradhub.transports.operation import CollectiveFuture, Operation
 from gradhub.transports.stores import (
     default_store,
@@ -107,9 +108,9 @@ class CollectiveGroup:
         self.process_group = process_group
         self.transport = transport
         """Requested transport (:mod:`.choice`); ``None``: ``GRADHUB_TRANSPORT`` or auto."""
-        self.transport_choice: Any = None
+        self.transport_choice: Transport | None = None
         """The :class:`~.base.Transport` chosen for this group (set once by :mod:`.choice`)."""
-        self.device_transport: Any = None
+        self.device_transport: Transport | None = None
         """The transport of CUDA tensors where a backend of their own carries them
         (NCCL in a ``"cpu:gloo,cuda:nccl"`` group; set once by :mod:`.choice`)."""
         self.rank = dist.get_rank(process_group)

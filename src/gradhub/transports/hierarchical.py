@@ -99,7 +99,8 @@ class HierarchicalTransport(Transport):
                 f"[rank {group.rank}] the hierarchical transport needs several hosts with "
                 f"the same number (>= 2) of ranks each; got {[list(h) for h in layout.hosts]}"
             )
-        super().__init__(group)
+        super().__init__(group.rank, group.world_size)
+        self.group = group
         local = layout.local_ranks
         self.index = local.index(group.rank)
         self.columns = [[host[i] for host in layout.hosts] for i in range(len(local))]

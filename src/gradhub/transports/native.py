@@ -38,6 +38,10 @@ class NativeTransport(Transport):
     name = "gloo"
     ring_order = False  # its all_reduce sums in gloo's order
 
+    def __init__(self, group: CollectiveGroup):
+        super().__init__(group.rank, group.world_size)
+        self.group = group
+
     def reduce_scatter(
         self,
         op: Operation,

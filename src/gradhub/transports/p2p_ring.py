@@ -183,6 +183,10 @@ class RingTransport(Transport):
 
     name = "ring"
 
+    def __init__(self, group: CollectiveGroup):
+        super().__init__(group.rank, group.world_size)
+        self.group = group
+
     def reduce_scatter(
         self,
         op: Operation,

@@ -12,6 +12,7 @@ import torch
 
 from gradhub import codecs
 from gradhub.transports.base import Chunking, Ranges, Transport
+from gradhub.transports.group import CollectiveGroup
 from gradhub.transports.operation import Operation
 
 
@@ -20,6 +21,9 @@ class SingleRankTransport(Transport):
 
     name = "single"
     checks_in = False  # nobody else could be missing
+
+    def __init__(self, group: CollectiveGroup):
+        super().__init__(group.rank, group.world_size)
 
     def reduce_scatter(
         self,
