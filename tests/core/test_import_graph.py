@@ -13,6 +13,9 @@ reader has to follow. Rules:
 - **Subsystems do not lean on each other sideways**: ``ps`` never imports
   ``collective`` (both stand on ``_shm``), and neither imports ``train``, the
   CLI or the demo.
+- **The parameter server's sides stay apart**: ``ps.client`` and ``ps.server``
+  never import each other; what both need is in ``ps.wire`` (which imports
+  neither) or at the top of ``ps`` (``base``, ``lanes``, ``secret``).
 - **No cycles** between modules.
 """
 
@@ -41,8 +44,11 @@ RUNTIME_LAYERS = [BASE, {"gradhub._shm"}, {"gradhub.transports"}, {"gradhub.runt
 FORBIDDEN = {
     "gradhub.ps": ("gradhub.collective", "gradhub.train", "gradhub.cli", "gradhub.demo"),
     "gradhub.collective": ("gradhub.ps", "gradhub.train", "gradhub.cli", "gradhub.demo"),
+    "gradhub.ps.client": ("gradhub.ps.server",),
+    "gradhub.ps.server": ("gradhub.ps.client",),
+    "gradhub.ps.wire": ("gradhub.ps.client", "gradhub.ps.server"),
 }
-"""Subsystem -> packages it must not import."""
+"""Subsystem (or a side of one) -> packages it must not import."""
 
 KNOWN_CYCLES: set[frozenset[str]] = set()
 """Cycles that predate this test, being taken apart; remove an entry with its
@@ -195,3 +201,43 @@ def test_the_checks_catch_a_bad_arrow(tmp_path: Path) -> None:
         "gradhub.runtime -> gradhub.train.loop (the runtime imports a subsystem)",
     ]
     assert cycles(graph) == [frozenset({"gradhub.train.loop", "gradhub.train.fit"})]
+
+
+def test_the_checks_keep_the_ps_client_and_server_apart(tmp_path: Path) -> None:
+    """A planted arrow from the client to the server, one back, and one from the
+    wire to the client: each is reported; arrows down to the wire and to the
+    shared top of ``ps`` are not."""
+    files = {
+        "gradhub/__init__.py": "",
+        "gradhub/ps/__init__.py": "",
+        "gradhub/ps/base.py": "",
+        "gradhub/ps/client/__init__.py": "",
+        "gradhub/ps/client/placement.py": "",
+        "gradhub/ps/client/remote.py": (
+            "from gradhub.ps.base import ParameterServer\n"
+            "from gradhub.ps.wire import protocol\n"
+            "from gradhub.ps.server.config import secret_bytes\n"
+        ),
+        "gradhub/ps/server/__init__.py": "",
+        "gradhub/ps/server/config.py": "from gradhub.ps import base\n",
+        "gradhub/ps/server/service.py": (
+            "from ..wire.protocol import Message\nfrom ..client import placement\n"
+        ),
+        "gradhub/ps/wire/__init__.py": "",
+        "gradhub/ps/wire/protocol.py": "def f():\n    from gradhub.ps.client.remote import R\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    graph = import_graph(tmp_path)
+    assert graph["gradhub.ps.server.service"] == {
+        "gradhub.ps.wire.protocol",
+        "gradhub.ps.client.placement",
+    }
+    assert violations(graph) == [
+        "gradhub.ps.client.remote -> gradhub.ps.server.config"
+        " (gradhub.ps.client must not import it)",
+        "gradhub.ps.server.service -> gradhub.ps.client.placement"
+        " (gradhub.ps.server must not import it)",
+        "gradhub.ps.wire.protocol -> gradhub.ps.client.remote (gradhub.ps.wire must not import it)",
+    ]
