@@ -25,6 +25,7 @@ from gradhub.errors import (
     ServerUnavailableError,
     ShapeMismatchError,
     StateError,
+    TooFewWorkersError,
     UnknownParameterError,
     WorkerFailedError,
 )
@@ -39,6 +40,7 @@ from gradhub.train.distributed_optimizer import DistributedOptimizer
 from gradhub.train.fit_config import FitConfig, FitResult
 from gradhub.train.grad_scaler import GradScaler
 from gradhub.train.prepare import check_in_sync, clip_grad_norm_, prepare
+from gradhub.train.sampler import GlobalBatchSampler
 from gradhub.train.trainer import DataParallelTrainer
 from gradhub.train.wrapped_model import PreparedModel
 
@@ -57,6 +59,7 @@ __all__ = [
     "DuplicateParameterError",
     "FitConfig",
     "FitResult",
+    "GlobalBatchSampler",
     "GradScaler",
     "GradhubError",
     "GradhubTimeoutError",
@@ -78,6 +81,7 @@ __all__ = [
     "ShapeMismatchError",
     "ShardedOptimizer",
     "StateError",
+    "TooFewWorkersError",
     "UnknownParameterError",
     "WorkerFailedError",
     "WorkerUpdate",

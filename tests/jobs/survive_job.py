@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import signal
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -65,7 +66,10 @@ def kills(specs: list[str], member: int) -> dict[int, str]:
     return mine
 
 
-def die() -> None:
+def die(out: Path, member: int) -> None:
+    """SIGKILL this worker, noting the time first (``killed-<member>.json``)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"killed-{member}.json").write_text(json.dumps({"time": time.time()}))
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -87,17 +91,17 @@ def main() -> None:
 
         def in_backward(_: torch.Tensor) -> None:
             if plan.get(runtime.committed_steps) == "backward":
-                die()
+                die(args.out, member)
 
         model[0].weight.register_post_accumulate_grad_hook(in_backward)
         out: dict[str, Any] = {"member": member, "pid_start": pid}
         if args.loop:
-            out.update(own_loop(model, optimizer, runtime, x, y, args, plan))
+            out.update(own_loop(model, optimizer, runtime, x, y, args, plan, member))
         else:
 
             def between(step: int, record: dict[str, Any]) -> None:
                 if plan.get(step - 1) == "between":
-                    die()
+                    die(args.out, member)
 
             with gradhub.DataParallelTrainer(
                 model, optimizer, strategy="allreduce", runtime=runtime, bucket_mb=1e-4
@@ -130,6 +134,7 @@ def own_loop(
     y: torch.Tensor,
     args: argparse.Namespace,
     plan: dict[int, str],
+    member: int,
 ) -> dict[str, Any]:
     """The loop a user writes: a prepared model, a global-batch sampler, a loader."""
     dataset = TensorDataset(x, y)
@@ -148,7 +153,7 @@ def own_loop(
             loss.backward()
             opt.step()
             if plan.get(runtime.committed_steps - 1) == "between":
-                die()
+                die(args.out, member)
     return {"iterations": iterations}
 
 

@@ -22,10 +22,10 @@ from readme_blocks import Block, blocks
 
 # How many blocks of each kind the README has: a new block changes one of them.
 COUNTS = {
-    "python": 4,  # run as they are: python block.py
+    "python": 5,  # run as they are: python block.py
     "launched": 8,  # python, the new side of two diffs, DiLoCo: torchrun --nproc-per-node 2
     "commands": 3,  # gradhub serve, gradhub run, torchrun, python examples/...
-    "elsewhere": 3,  # multi-node, the trainers, the --max-restarts rerun
+    "elsewhere": 4,  # multi-node, the trainers, the --max-restarts rerun, --survive
     "not run": 5,  # make, a worker across machines, two lines of a diff, a file tree, DiLoCo LM
 }
 

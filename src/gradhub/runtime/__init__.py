@@ -224,7 +224,8 @@ class Runtime:
         survival, ``cause`` is raised."""
         if self.membership is None:
             raise cause
-        log.warning("[rank %d] %s; regrouping over the survivors", self.rank, cause)
+        what = str(cause).split("\n")[0].split(". ")[0].removeprefix(f"[rank {self.rank}] ")
+        log.warning("[rank %d] %s: regrouping over the survivors", self.rank, what)
         while True:
             abandon(self.group, f"a peer died ({type(cause).__name__})")
             assert self._waits is not None
