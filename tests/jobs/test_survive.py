@@ -184,3 +184,21 @@ def test_readme_survive_command_trains_the_example(tmp_path: Path) -> None:
     assert sorted(metrics) == [0, 1, 2, 3]
     (summary,) = [r for r in metrics[0] if r["kind"] == "summary"]
     assert (summary["failures"], summary["redone"], summary["world_size"]) == (0, 0, 4)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_demo_survive_row_loses_a_worker_and_reaches_the_accuracy(tmp_path: Path) -> None:
+    """``gradhub demo``'s survive row: the last worker killed after half the steps."""
+    demo = ["demo", "--strategy", "survive", "--workers", "3", "--epochs", "10"]
+    done = subprocess.run(
+        [sys.executable, "-m", "gradhub.cli.main", *demo, "--run-dir", str(tmp_path / "demo")],
+        capture_output=True,
+        text=True,
+        timeout=360,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    (row,) = [line for line in done.stdout.splitlines() if line.startswith("survive ")]
+    assert "1 worker killed, 1 step(s) redone over the 2 survivors" in row, row
+    (result,) = [json.loads((tmp_path / "demo/survive/result.json").read_text())]
+    assert result["steps"] == 10 * 23 and result["eval_accuracy"] >= 0.95

@@ -82,12 +82,18 @@ def _run_dir(args: argparse.Namespace) -> Path:
 
 
 def _mlp_row(name: str, workers: int, result: dict[str, Any], wall: float) -> DemoRow:
+    detail = f"MLP, {result['steps']} steps, training loop {result['wall_time']:.1f}s"
+    if result.get("failures"):
+        detail += (
+            f"; {result['failures']} worker killed, {result['redone']} step(s) redone "
+            f"over the {result['world_size']} survivors"
+        )
     return DemoRow(
         strategy=name,
         workers=workers,
         test_accuracy=result["eval_accuracy"],
         wall_seconds=wall,
-        detail=f"MLP, {result['steps']} steps, training loop {result['wall_time']:.1f}s",
+        detail=detail,
         samples_per_s=result["samples_per_s"],
         min_accuracy=MLP_MIN_ACCURACY,
     )
@@ -118,12 +124,16 @@ def _job(name: str) -> Callable[[argparse.Namespace], DemoRow]:
 
         folder = _run_dir(args) / name
         mode = _PS_MODES.get(name, "async")
+        survive = name == "survive"
+        kill = ["--kill-midway"] if survive else []  # one worker, after half the steps
         config = LaunchConfig(
             nproc=args.workers,
             module=True,
+            survive=survive,
             target=[
                 "gradhub.demo.job",
-                f"--strategy={name}",
+                f"--strategy={'allreduce' if survive else name}",
+                *kill,
                 f"--run-dir={folder}",
                 f"--epochs={args.epochs}",
                 f"--batch-size={args.batch_size}",
@@ -155,7 +165,10 @@ def _job(name: str) -> Callable[[argparse.Namespace], DemoRow]:
 STRATEGIES: dict[str, Callable[[argparse.Namespace], DemoRow]] = {
     "threads": run_threads,
     "single": run_single,
-    **{name: _job(name) for name in ("allreduce", "sharded", "ps-async", "ps-sync", "ps-ssp")},
+    **{
+        name: _job(name)
+        for name in ("allreduce", "sharded", "ps-async", "ps-sync", "ps-ssp", "survive")
+    },
 }
 
 MIN_ACCURACY = 0.90

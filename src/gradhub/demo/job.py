@@ -13,8 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import signal
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -37,9 +41,12 @@ def train(
     seed: int,
     progress: bool = True,
     device: str = "cpu",
+    kill_midway: bool = False,
 ) -> gradhub.FitResult:
     """Train the digits MLP with ``strategy`` in this process of the job, on
-    ``device`` (``"cpu"`` or ``"cuda"``)."""
+    ``device`` (``"cpu"`` or ``"cuda"``). ``kill_midway`` (a surviving job,
+    ``gradhub run --survive``): the last worker SIGKILLs itself right after
+    half the steps."""
     x_train, y_train, x_test, y_test = load_digits_split(0.2, seed)
     model = make_mlp(seed)
     with gradhub.init(timeout=60) as runtime:
@@ -57,10 +64,26 @@ def train(
                 seed=seed,
                 run_dir=run_dir,
                 progress=progress,
+                on_step=_killer(runtime, epochs * -(-len(x_train) // batch_size) // 2)
+                if kill_midway
+                else None,
             )
         if runtime.is_main:
             (Path(run_dir) / "result.json").write_text(json.dumps(asdict(result)))
     return result
+
+
+def _killer(runtime: gradhub.Runtime, step: int) -> Callable[[int, dict[str, Any]], None] | None:
+    """The ``on_step`` that kills the last worker of a surviving job after ``step``."""
+    membership = runtime.membership
+    if not step or membership is None or membership.member != runtime.world_size - 1:
+        return None
+
+    def kill(done: int, record: dict[str, Any]) -> None:
+        if done == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return kill
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--kill-midway", action="store_true", help="surviving job: kill one worker")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     train(
@@ -84,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         progress=not args.no_progress,
         device=args.device,
+        kill_midway=args.kill_midway,
     )
     return 0
 
