@@ -10,6 +10,10 @@ features, 4 classes), SGD with momentum (or AdamW), global batches of 32:
   all-reduces are under way (``bucket_mb`` is tiny: one bucket per parameter);
 - ``between``: after the step committed (fit's ``on_step``).
 
+``--hold STEP`` (with ``gradhub run --max-restarts``): from that step on, while
+the job is short of workers, ``fit``'s ``on_step`` waits until the replacement
+is ready, so that it joins before the job ends.
+
 ``--loop``: the user's own loop with :class:`gradhub.GlobalBatchSampler` and
 a ``DataLoader`` (``--loader-workers`` of them), instead of ``fit``.
 Without ``--survive`` in the launcher (a plain ``python survive_job.py``) it
@@ -73,6 +77,20 @@ def die(out: Path, member: int) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def hold_for_replacement(runtime: gradhub.Runtime, workers: int) -> None:
+    """While the job is short of workers, wait (at most 120 s) until a
+    replacement is ready to join: the next step then takes it in. (A replacement
+    starts in seconds, the whole job takes a few: without this the job could
+    end before it arrives.)"""
+    membership = runtime.membership
+    assert membership is not None
+    deadline = time.monotonic() + 120
+    while runtime.world_size < workers and not membership.pending:
+        if time.monotonic() > deadline:
+            raise TimeoutError("no replacement joined within 120 s")
+        time.sleep(0.05)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
@@ -81,6 +99,8 @@ def main() -> None:
     p.add_argument("--kill", action="append", default=[])
     p.add_argument("--loop", action="store_true")
     p.add_argument("--loader-workers", type=int, default=0)
+    p.add_argument("--hold", type=int, default=0, help="from this step, wait for a replacement")
+    p.add_argument("--workers", type=int, default=4, help="the job's workers (with --hold)")
     args = p.parse_args()
     pid = os.getpid()
     member = int(os.environ.get("GRADHUB_MEMBER", "0"))
@@ -102,6 +122,8 @@ def main() -> None:
             def between(step: int, record: dict[str, Any]) -> None:
                 if plan.get(step - 1) == "between":
                     die(args.out, member)
+                if args.hold and step >= args.hold:
+                    hold_for_replacement(runtime, args.workers)
 
             with gradhub.DataParallelTrainer(
                 model, optimizer, strategy="allreduce", runtime=runtime, bucket_mb=1e-4

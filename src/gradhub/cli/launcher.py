@@ -97,7 +97,8 @@ class LaunchConfig:
     local_addr: str | None = None
     """This node's address as other nodes reach it (default: worked out from the endpoint)."""
     max_restarts: int = 0
-    """Times torchrun's agent restarts every worker after one fails (0: a failure ends the job)."""
+    """Times torchrun's agent restarts every worker after one fails (0: a failure ends the
+    job); with ``survive``: dead workers replaced by new ones, in all."""
     survive: bool = False
     """A worker's death ends only that worker; the others go on over the survivors
     (:mod:`gradhub.cli.supervisor`)."""
@@ -154,7 +155,6 @@ class LaunchConfig:
         unsupported = [
             ("--nnodes > 1", self.nnodes > 1),
             ("--servers", self.servers > 0),
-            ("--max-restarts", self.max_restarts > 0),
         ]
         named = [name for name, given in unsupported if given]
         if named:

@@ -36,7 +36,8 @@ def add_parser(sub: Any) -> None:
         help="when a worker fails, restart all workers, up to N times (torchrun's elastic "
         "agent); fit() then checkpoints (into checkpoint_dir, default run_dir/checkpoints) "
         "and resumes from the last checkpoint every rank has; parameter servers keep "
-        "running (default: 0, a failed worker ends the job)",
+        "running (default: 0, a failed worker ends the job). With --survive: replace a "
+        "dead worker by a new one, up to N times, which joins the running job",
     )
     p.add_argument(
         "--survive",

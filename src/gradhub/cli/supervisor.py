@@ -19,13 +19,18 @@ workers itself out of torchrun's own pieces:
   the generation is recorded as the end of the job; the survivors raise
   :class:`~gradhub.errors.TooFewWorkersError` and exit, and the launcher
   returns 1 naming the dead workers.
+- **Replacements** (``--max-restarts R``): a dead worker is replaced, up to R
+  times, by a new worker with a new member id. When it has joined the store
+  (``gradhub/survive/ready/<id>``) the next generation adds it last; the
+  survivors take it in at their next step boundary and it takes the
+  parameters and optimizer state from them (:mod:`gradhub.runtime.membership`).
 - The launcher's own process is the single point of failure: if it dies the
   store goes with it, and every worker stops at its next store access with
   :class:`~gradhub.errors.WorkerFailedError` naming the store. A whole-job
   restart from checkpoints covers that case.
 
-One node only (``--nnodes 1``); no replacements yet (a dead worker's share
-of every later global batch goes to the survivors).
+One node only (``--nnodes 1``). Between a death and its replacement's
+arrival, the dead worker's share of every global batch goes to the survivors.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from gradhub.runtime.membership import MEMBER_ENV, SURVIVE_ENV, publish
+from gradhub.runtime.membership import JOINING_ENV, MEMBER_ENV, SURVIVE_ENV, publish, ready_key
 
 if TYPE_CHECKING:
     from gradhub.cli.launcher import LaunchConfig
@@ -65,6 +70,9 @@ class Watch:
     dead: list[int] = field(default_factory=list)
     finished: list[int] = field(default_factory=list)
     generation: int = 0
+    joining: list[int] = field(default_factory=list)
+    """Replacements started and not yet in a generation."""
+    restarts: int = 0
 
     def running(self) -> list[int]:
         return [m for m in self.order if m in self.contexts]
@@ -96,9 +104,10 @@ class Watch:
 
 def _worker_env(config: LaunchConfig, member: int, port: int) -> dict[str, str]:
     n = config.nproc
+    rank = member % n  # a replacement's: where it lands among n local workers
     return {
-        "RANK": str(member),
-        "LOCAL_RANK": str(member),
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
         "WORLD_SIZE": str(n),
         "LOCAL_WORLD_SIZE": str(n),
         "GROUP_RANK": "0",
@@ -107,6 +116,7 @@ def _worker_env(config: LaunchConfig, member: int, port: int) -> dict[str, str]:
         "TORCHELASTIC_USE_AGENT_STORE": "True",
         SURVIVE_ENV: "1",
         MEMBER_ENV: str(member),
+        JOINING_ENV: "1" if member >= n else "0",
     }
 
 
@@ -139,21 +149,26 @@ def supervise(config: LaunchConfig, port: int, logs: str) -> int:
         log.info("%d workers started (survive: at least %d)", config.nproc, config.min_workers)
         while watch.contexts:
             died = watch.poll()
+            lost = [m for m in died if m in watch.joining]  # a replacement that never joined
+            watch.joining = [m for m in watch.joining if m not in lost]
             if died:
-                watch.generation += 1
-                running = watch.running()
-                stop = len(running) < config.min_workers
-                publish(store, watch.generation, running, died, stop=stop)
-                log.warning(
-                    "generation %d: worker(s) %s died; %s over %s",
-                    watch.generation,
-                    ", ".join(map(str, died)),
-                    "the job stops" if stop else "the job goes on",
-                    running,
-                )
-                if stop:
+                if len(lost) < len(died) and _record(
+                    store, watch, config, [m for m in died if m not in lost], []
+                ):
                     _end(watch)
                     break
+                for _ in died:
+                    if watch.restarts < config.max_restarts:
+                        watch.restarts += 1
+                        member = config.nproc + watch.restarts - 1
+                        watch.joining.append(member)
+                        watch.contexts[member] = _start(config, member, port, logs)
+                        log.warning("worker %d started to replace a dead one", member)
+            ready = [m for m in watch.joining if store.check([ready_key(m)])]
+            if ready:
+                watch.joining = [m for m in watch.joining if m not in ready]
+                watch.order += ready
+                _record(store, watch, config, [], ready)
             time.sleep(POLL)
     finally:
         watch.close()
@@ -173,6 +188,26 @@ def supervise(config: LaunchConfig, port: int, logs: str) -> int:
             ", ".join(map(str, watch.dead)),
         )
     return 0
+
+
+def _record(
+    store: dist.Store, watch: Watch, config: LaunchConfig, died: list[int], joined: list[int]
+) -> bool:
+    """Publish the next generation: the running members (replacements not ready
+    left out); True if it is the end of the job (too few)."""
+    watch.generation += 1
+    members = [m for m in watch.running() if m not in watch.joining]
+    stop = len(members) < config.min_workers
+    publish(store, watch.generation, members, died, stop=stop)
+    what = f"worker(s) {', '.join(map(str, died))} died" if died else f"{joined} joined"
+    log.warning(
+        "generation %d: %s; %s over %s",
+        watch.generation,
+        what,
+        "the job stops" if stop else "the job goes on",
+        members,
+    )
+    return stop
 
 
 def _end(watch: Watch) -> None:

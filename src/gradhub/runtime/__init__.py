@@ -153,6 +153,11 @@ class Runtime:
     """Optimizer steps applied on this rank; a failed step of a surviving job is
     not counted (schedules computed from a step counter use this)."""
     transport: str | None = field(default=None, repr=False)
+    replacement: bool = False
+    """Whether this worker replaced a dead one and joined the running job."""
+    joined: Regrouped | None = field(default=None, repr=False)
+    """A replacement's agreement with the survivors it joined, until its strategy
+    has taken their parameters and optimizer state (at set-up); else ``None``."""
     _closed: bool = field(default=False, repr=False)
     _waits: CollectiveGroup | None = field(default=None, repr=False)
     _listeners: list[Callable[[Regrouped], None]] = field(default_factory=list, repr=False)
@@ -216,18 +221,22 @@ class Runtime:
         registers the same listeners in the same order: they may communicate)."""
         self._listeners.append(fn)
 
-    def regroup(self, cause: BaseException) -> Regrouped:
+    def regroup(self, cause: BaseException | None) -> Regrouped:
         """After a peer's death (``cause``) in a surviving job: leave the group,
         wait for the next membership, set up the group over the survivors, agree
         on the furthest state any of them committed and tell the listeners
         (:meth:`on_regroup`), which bring the ranks behind up to it. Without
-        survival, ``cause`` is raised."""
+        survival, ``cause`` is raised. ``cause=None``: a planned regroup at a
+        step boundary (a replacement joins; every rank calls it after the same step)."""
         if self.membership is None:
+            assert cause is not None
             raise cause
-        what = str(cause).split("\n")[0].split(". ")[0].removeprefix(f"[rank {self.rank}] ")
-        log.warning("[rank %d] %s: regrouping over the survivors", self.rank, what)
+        if cause is not None:
+            what = str(cause).split("\n")[0].split(". ")[0].removeprefix(f"[rank {self.rank}] ")
+            log.warning("[rank %d] %s: regrouping over the survivors", self.rank, what)
         while True:
-            abandon(self.group, f"a peer died ({type(cause).__name__})")
+            if cause is not None:
+                abandon(self.group, f"a peer died ({type(cause).__name__})")
             assert self._waits is not None
             self._waits.close()
             self.group.close()
@@ -317,11 +326,11 @@ def init(
             "another launcher (torchrun's agent) stops every worker when one dies\n"
             "- help: start the job with `gradhub run -n N --survive script.py`"
         )
-    membership = None
+    membership, joined = None, None
     if started_surviving and survive is not False and not dist.is_initialized():
         limit = DEFAULT_TIMEOUT if timeout is None else float(timeout)
         local_rank = _launch_env(os.environ)[2]
-        membership, group = join(
+        membership, group, joined = join(
             os.environ, int(os.environ[MEMBER_ENV]), pick_backend(backend), limit, transport
         )
     elif dist.is_initialized():
@@ -356,6 +365,9 @@ def init(
         survive=membership is not None,
         membership=membership,
         transport=transport,
+        joined=joined,
+        replacement=joined is not None,
+        committed_steps=joined.committed_steps if joined is not None else 0,
     )
     log.debug("rank %d: joined %s", runtime.rank, runtime)
     _current = runtime

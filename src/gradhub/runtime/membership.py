@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -61,6 +62,9 @@ SURVIVE_ENV = "GRADHUB_SURVIVE"
 MEMBER_ENV = "GRADHUB_MEMBER"
 """A worker's member id (its rank in generation 0; a replacement's new id)."""
 
+JOINING_ENV = "GRADHUB_JOINING"
+"""``1`` in a replacement: it joins a running job instead of generation 0."""
+
 
 def members_key(generation: int) -> str:
     return f"{PREFIX}members/{generation}"
@@ -72,6 +76,15 @@ def dead_key(generation: int) -> str:
 
 def stop_key(generation: int) -> str:
     return f"{PREFIX}stop/{generation}"
+
+
+def ready_key(member: int) -> str:
+    """Set by a replacement once it can join (the supervisor then adds it)."""
+    return f"{PREFIX}ready/{member}"
+
+
+LATEST = f"{PREFIX}latest"
+"""The newest generation's number."""
 
 
 def group_prefix(generation: int) -> str:
@@ -93,6 +106,7 @@ def publish(
     if stop:
         store.set(stop_key(generation), "1")
     store.set(members_key(generation), json.dumps(members))
+    store.set(LATEST, str(generation))
 
 
 @dataclass
@@ -111,7 +125,9 @@ class Generation:
 class Membership:
     """This worker's view of a surviving job's membership (see the module docstring)."""
 
-    def __init__(self, store: dist.Store, member: int, timeout: float) -> None:
+    def __init__(
+        self, store: dist.Store, member: int, timeout: float, watch: dist.Store | None = None
+    ) -> None:
         self.store = store
         """The job's store itself (not a generation's prefix)."""
         self.member = member
@@ -119,6 +135,32 @@ class Membership:
         self.generation = 0
         self.dead: list[int] = []
         """Every member that has left the job, in the order they left."""
+        self._seen = 0
+        if watch is not None:
+            thread = threading.Thread(
+                target=self._watch, args=(watch,), name="gradhub-membership", daemon=True
+            )
+            thread.start()
+
+    @property
+    def pending(self) -> bool:
+        """Whether the store holds a newer generation than this rank's (a replacement
+        is ready to join, or a worker died): the next step boundary regroups."""
+        return self._seen > self.generation
+
+    def _watch(self, store: dist.Store) -> None:
+        """Wait, in the kernel, for each next generation's record; on a connection
+        of its own (a blocking wait would hold the one the collectives check in on)."""
+        while True:
+            after = max(self._seen, self.generation) + 1
+            try:
+                store.wait([members_key(after)], timedelta(seconds=60))
+            except RuntimeError as exc:  # c10d: the wait timed out, or the store is gone
+                if "timeout" in str(exc).lower():
+                    continue
+                log.debug("[member %d] membership watch ends: %s", self.member, exc)
+                return
+            self._seen = after
 
     def read(self, generation: int, timeout: float | None = None) -> Generation:
         """Generation ``generation``'s record, waiting for it at most ``timeout``
@@ -171,9 +213,12 @@ def join(
     backend: str,
     timeout: float,
     transport: str | None,
-) -> tuple[Membership, CollectiveGroup]:
+) -> tuple[Membership, CollectiveGroup, Regrouped | None]:
     """A surviving worker joins generation 0: the store the launcher hosts at
-    ``MASTER_ADDR:MASTER_PORT``, the first membership record, the group."""
+    ``MASTER_ADDR:MASTER_PORT``, the first membership record, the group. A
+    replacement joins the generation that takes it in, and agrees with the
+    survivors on the step to continue from (the :class:`Regrouped` its
+    strategy then takes their state by, at set-up)."""
     try:
         host, port = environ["MASTER_ADDR"], int(environ["MASTER_PORT"])
     except (KeyError, ValueError) as exc:
@@ -181,9 +226,19 @@ def join(
             f"a surviving worker needs MASTER_ADDR and MASTER_PORT ({exc} is missing or "
             "wrong)\n- help: start the job with `gradhub run -n N --survive script.py`"
         ) from exc
-    membership = Membership(_tcp_client(host, port, member, timeout), member, timeout)
-    record = membership.read(0)
-    return membership, rebuild(membership, record, backend, timeout, transport)
+    store = _tcp_client(host, port, member, timeout)
+    membership = Membership(store, member, timeout, _tcp_client(host, port, member, timeout))
+    if environ.get(JOINING_ENV) != "1":
+        record = membership.read(0)
+        return membership, rebuild(membership, record, backend, timeout, transport), None
+    # A replacement: say it is ready, then wait for the generation that takes it in.
+    store.set(ready_key(member), "1")
+    generation = int(store.get(LATEST))
+    while member not in (record := membership.read(generation)).members:
+        generation += 1
+    membership.generation = membership._seen = generation
+    group = rebuild(membership, record, backend, timeout, transport)
+    return membership, group, Regrouped.agree(group, record, 0)
 
 
 def rebuild(

@@ -74,15 +74,10 @@ import torch
 from tqdm import tqdm
 
 from gradhub.errors import RunFolderExistsError
+from gradhub.train import fit_survival as survival
 from gradhub.train.checkpoint import CheckpointDir, agreed_checkpoint
 from gradhub.train.data import Source, Step, to_device
 from gradhub.train.fit_config import FitConfig, FitResult
-from gradhub.train.fit_survival import (
-    check_survivable,
-    membership_record,
-    surviving_steps,
-    surviving_sum,
-)
 from gradhub.train.grad_scaler import GradScaler
 from gradhub.train.logs import rank_logger
 from gradhub.train.losses import LossFn, Metric, Stats, detach, inputs_of
@@ -123,7 +118,7 @@ class FitRun:
         self.accuracy = "accuracy" in cfg.metrics
         folder, self.resuming = self._checkpoint_plan()
         self._check_run_dir()
-        self.metrics = MetricsWriter(cfg.run_dir, runtime.rank)
+        self.metrics = MetricsWriter(cfg.run_dir, survival.member_of(runtime))
         self.ckpt = CheckpointDir(path=folder, rank=runtime.rank) if folder is not None else None
         half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
         self.autocast = (
@@ -160,6 +155,8 @@ class FitRun:
         restarted worker continues the metrics only where an earlier attempt of
         this job started them (noted in the job's store): a second job into the
         folder of a finished one is refused on every attempt, not resumed."""
+        if self.rt.replacement:  # joins a running job, whose run this folder holds
+            return
         run_dir, used = self.cfg.run_dir, 0.0
         jobs = job_store(self.rt.store)
         started = f"fit/started/{run_dir.resolve()}" if run_dir is not None else ""
@@ -231,7 +228,7 @@ class FitRun:
         """After a death: the lowest live rank takes rank 0's duties, files keep their names."""
         if self.ckpt is not None:
             self.ckpt.rank = self.rt.rank
-        self.metrics.write("membership", **membership_record(done))
+        self.metrics.write("membership", **survival.membership_record(done))
 
     # one step ------------------------------------------------------------------------
 
@@ -314,7 +311,9 @@ class FitRun:
 
     def _micro_steps(self, source: Source, epoch: int, per_epoch: int) -> Iterator[list[Step]]:
         if self.rt.survive:
-            yield from surviving_steps(self.rt, source, epoch, per_epoch, self.cfg.accumulate)
+            yield from survival.surviving_steps(
+                self.rt, source, epoch, per_epoch, self.cfg.accumulate
+            )
             return
         batches = source.epoch(epoch)
         while True:
@@ -336,8 +335,8 @@ class FitRun:
         per_epoch = -(-batches // cfg.accumulate) if batches is not None else None
         start, last = self.resume()
         if rt.survive:
-            check_survivable(train, evals, per_epoch)
-            rt.committed_steps = start
+            survival.check_survivable(train, evals, per_epoch)
+            start = rt.committed_steps = max(start, rt.committed_steps)  # a replacement's
             rt.on_regroup(self._regrouped)
         if rt.restart:
             self.metrics.write(
@@ -427,7 +426,7 @@ class FitRun:
     def _end_epoch(
         self, epoch: int, step: int, stats: Stats, evals: Source | None, on_eval: Any
     ) -> dict[str, Any]:
-        both = surviving_sum(
+        both = survival.surviving_sum(
             self.rt,
             torch.cat([stats.values, self.evaluate(evals)]),
             f"evaluation after epoch {epoch}",

@@ -78,3 +78,9 @@ def membership_record(done: Regrouped) -> dict[str, Any]:
         "step": done.committed_steps,
         "time": time.time(),
     }
+
+
+def member_of(rt: Runtime) -> int:
+    """Whose metrics file this rank writes: its member id in a surviving job
+    (ranks change as workers die and join), else its rank."""
+    return rt.membership.member if rt.membership is not None else rt.rank

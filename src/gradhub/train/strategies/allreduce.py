@@ -320,7 +320,7 @@ class AllReduceStrategy(Strategy):
             self._flags.write_zeros()
             return
         samples = self._samples[0] if self._samples is not None else 1
-        self._flags.write([id(p) in self._used for p in self.params], samples)
+        self._flags.write([id(p) in self._used for p in self.params], samples, self._joining())
 
     def _launch_flags(self) -> Any:
         flags = self._flags
@@ -364,6 +364,7 @@ class AllReduceStrategy(Strategy):
         if self._shadowing:
             return
         used, total = self._flags.read()
+        self._regroup_after = self.runtime.survive and self._flags.regroup()
         if total <= 0 and self._samples is not None:
             raise ValueError("no rank processed any sample in this step")
         fix = None

@@ -177,6 +177,7 @@ class Strategy(LossScaling, ForwardSide, Survival, abc.ABC):
         self.optimizer = optimizers[0] if optimizers else None
         self._join_survival(runtime)
         self._setup(model, self.optimizer)
+        self._set_up_joined()
         for p in self.params:
             self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
         for opt in optimizers:
@@ -291,6 +292,7 @@ class Strategy(LossScaling, ForwardSide, Survival, abc.ABC):
             self._recover()
             return
         self._step_done()
+        self._after_step()
 
     def _apply_unsynced(self) -> None:
         """``step`` with no backward since the last step (default: refused)."""

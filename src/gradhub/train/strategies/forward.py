@@ -88,8 +88,8 @@ class ForwardSide:
         tensors = [p.data for p in model.parameters()]
         if self.ddp.sync_buffers_at_setup:
             tensors += [b for b in model.buffers()]
-        if self.runtime.world_size > 1:
-            self._broadcast(tensors, 0)
+        if self.runtime.world_size > 1 and self.runtime.joined is None:
+            self._broadcast(tensors, 0)  # a replacement takes the survivors' state instead
 
     def _buffers(self) -> list[torch.Tensor]:
         return [] if self.model is None else list(self.model.buffers())

@@ -33,15 +33,17 @@ class StepFlags:
 
     def __init__(self, count: int, group: CollectiveGroup) -> None:
         device = group.device
-        self.tensor = torch.zeros(count + 1, dtype=torch.float32, device=device)
-        """The flags of the ``count`` parameters, then the sample count."""
+        self.tensor = torch.zeros(count + 2, dtype=torch.float32, device=device)
+        """The flags of the ``count`` parameters, the sample count, then whether a
+        rank asks for a regroup after this step (a surviving job's replacement
+        is ready: every rank then regroups after the same step)."""
         self._host = self.tensor.numpy() if device.type == "cpu" else None
         self._group = group
         self._count = count
 
-    def write(self, used: Sequence[bool], samples: float) -> None:
+    def write(self, used: Sequence[bool], samples: float, regroup: bool = False) -> None:
         """This rank's flags and count (host values; nothing is read back)."""
-        values = [*map(float, used), float(samples)]
+        values = [*map(float, used), float(samples), float(regroup)]
         if self._host is not None:
             self._host[:] = values
         else:
@@ -64,3 +66,9 @@ class StepFlags:
             wait()
         values = self._host if self._host is not None else self.tensor.cpu().numpy()
         return values[: self._count] > 0, float(values[self._count])
+
+    def regroup(self) -> bool:
+        """Whether some rank asked for a regroup after this step (read after the sum;
+        on a device-only group a host synchronisation, only in a surviving job)."""
+        values = self._host if self._host is not None else self.tensor[-1:].cpu().numpy()
+        return bool(values[-1] > 0)

@@ -72,6 +72,7 @@ class Survival:
     """Steps trained on a share a regroup made stale (a prefetching loader's), never applied."""
 
     _failure: BaseException | None = None
+    _regroup_after = False  # a rank asked to regroup after this step (a replacement)
     set_samples: Callable[[int, int | None], None]
     state_dict: Callable[[], dict[str, Any]]
     load_state_dict: Callable[[dict[str, Any]], None]
@@ -91,6 +92,27 @@ class Survival:
                 "`gradhub run --survive`, or drop --survive"
             )
         runtime.on_regroup(self._regrouped)
+
+    def _joining(self) -> bool:
+        """Whether this rank asks the others to regroup after this step: a newer
+        membership (a replacement ready to join) is in the store."""
+        membership = self.runtime.membership
+        return membership is not None and membership.pending
+
+    def _after_step(self) -> None:
+        """A committed step ended: regroup here if some rank asked for it (every
+        rank got the same answer with the step's flags)."""
+        if self._regroup_after:
+            self._regroup_after = False
+            self.runtime.regroup(None)
+
+    def _set_up_joined(self) -> None:
+        """At set-up of a replacement: take the survivors' state, as each survivor's
+        :meth:`_regrouped` sends it (instead of rank 0's initial parameters)."""
+        done = self.runtime.joined
+        if done is not None:
+            self.runtime.joined = None
+            self._heal(done)
 
     def _failed(self, exc: BaseException) -> None:
         """A peer failure during the step's communication: raised without survival,
@@ -161,3 +183,4 @@ class Survival:
         if rank in done.behind:
             self.model.load_state_dict(payload[0]["model"])
             self.load_state_dict(payload[0]["strategy"])
+            self.runtime.committed_steps = done.committed_steps
