@@ -1,9 +1,9 @@
-"""The "gradhub" torch.distributed backend against gloo: all-reduce, a DDP step, an FSDP2 step.
+"""The "gradhub" torch.distributed backend against gloo and DeepSpeed: all-reduce, DDP, FSDP2.
 
-Two ranks on this host, both backends in the same processes (the default group
+Two ranks on this host, every backend in the same processes (the default group
 is "gradhub", a gloo group is made beside it), alternating which goes first in
 every round. Per round and backend: the median time of ``--reps`` calls of
-``dist.all_reduce`` on 1M, 4M and 25M fp32 elements; a DDP training step
+``dist.all_reduce`` on 64K, 256K, 1M, 4M and 16M fp32 elements; a DDP training step
 (forward, backward with DDP's bucketed all-reduces, SGD step) of a
 1024-4096-4096-10 MLP (about 21M parameters, batch 32); and the same step with
 FSDP2's ``fully_shard`` on a mesh of the group. Reported: the median over the
@@ -12,13 +12,25 @@ spread); for the steps also the CPU seconds rank 0's process spent per step
 (every thread, kernel included): the work, which load from other jobs on the
 machine inflates far less than the wall time. This machine's one-thread copy
 bandwidth and load are recorded.
-Goals: all-reduce <= 0.5x gloo from 4M elements up; DDP step <= 0.8x.
+Goals: all-reduce <= 0.5x gloo from 4M elements up, and at or below
+DeepSpeed's from 64K up; DDP step <= 0.8x.
 
 bf16 rows: ``dist.all_reduce`` of bf16 tensors of the same sizes, timed the
-same way beside gloo's bf16 all-reduce (gradhub sends bf16 and sums in fp32;
-gloo sums in bf16). ``--rows all_reduce --merge`` times the all-reduces only
-and keeps the recorded rows it does not time (the table says which rows came
-from which run); ``--sizes`` (millions of elements) and ``--dtypes`` pick them.
+same way beside gloo's bf16 all-reduce (gradhub sums in fp32 and rounds once;
+gloo adds in fp32 and rounds after every addition: with two ranks, the same bits).
+``--rows all_reduce --merge`` times the all-reduces only and keeps the
+recorded rows it does not time, except the all-reduce rows of the dtypes it
+times (the table says which rows came from which run); ``--sizes`` (elements,
+``K`` = 2**10, ``M`` = 2**20) and ``--dtypes`` pick them.
+
+DeepSpeed (the ``bench`` extra): the all-reduce rows also time
+``deepspeed.comm.inference_all_reduce`` on the gloo group, its CPU
+shared-memory op (:mod:`_deepspeed`; built at the first run, about a minute),
+in the same rounds, the three in turn; per round the ratios DeepSpeed / gloo
+and gradhub / DeepSpeed. Every process runs one thread (``OMP_NUM_THREADS=1``:
+DeepSpeed's kernels would otherwise use OpenMP threads, gradhub's and gloo's
+one thread per rank). Without DeepSpeed (not installed, its op does not build,
+the CPU lacks its instructions) the table says why and those columns are empty.
 
 Floors, timed in the same rounds (both ranks at once, as in the real step,
 since they share the cores): ``local step``, the same forward, backward and
@@ -57,16 +69,29 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import _deepspeed
 import _sleeping
 import gradhub  # noqa: F401  (registers the backend)
 from _common import RESULTS, machine_note, rank_zero_result, spread, write_results
 
-SIZES = [1 << 20, 4 << 20, 25 << 20]
+SIZES = "64K,256K,1M,4M,16M"
 DTYPES = {"fp32": ("", torch.float32), "bf16": (" bf16", torch.bfloat16)}
 """The all-reduce dtypes (``--dtypes``): each one's row name suffix and dtype."""
 BACKENDS = ["gradhub", "gloo"]
+PEER = "deepspeed"
+"""The third all-reduce peer (all-reduce rows only)."""
 FLOORS = ["local step", "DDP step, no communication"]
 CPU = "[CPU s of rank 0's process]"
+
+
+def _elements(size: str) -> int:
+    """``64K`` -> 65536, ``4M`` -> 4194304 (a bare number: elements)."""
+    shift = {"K": 10, "M": 20}.get(size[-1:].upper(), 0)
+    return int(size[:-1] if shift else size) << shift
+
+
+def _size_name(n: int) -> str:
+    return f"{n >> 20}M" if n >= 1 << 20 and n % (1 << 20) == 0 else f"{n >> 10}K"
 
 
 def _mlp() -> torch.nn.Module:
@@ -132,6 +157,7 @@ def rank_main(
     queue: Any,
 ) -> None:
     torch.set_num_threads(1)
+    _deepspeed.environment(2, port)
     dist.init_process_group(
         "gradhub",
         init_method=f"tcp://127.0.0.1:{port}",
@@ -144,10 +170,22 @@ def rank_main(
 
     groups = {"gradhub": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
     tensors = {
-        f"all_reduce {n >> 20}M{DTYPES[d][0]}": torch.ones(n, dtype=DTYPES[d][1])
+        f"all_reduce {_size_name(n)}{DTYPES[d][0]}": torch.ones(n, dtype=DTYPES[d][1])
         for d in dtypes
         for n in sizes
     }
+    reducers: dict[str, Callable[[torch.Tensor], Any]] = {
+        b: lambda t, g=groups[b]: dist.all_reduce(t, group=g) for b in BACKENDS
+    }
+    peer, skipped = (None, "no all-reduce rows")
+    if tensors:
+        peer, skipped = _deepspeed.setup(groups["gloo"], [DTYPES[d][1] for d in dtypes])
+        ready = torch.tensor([peer is not None], dtype=torch.int32)
+        dist.all_reduce(ready, op=dist.ReduceOp.MIN, group=groups["gloo"])
+        if peer is not None and not ready.item():  # every rank times it, or none
+            peer, skipped = None, "deepspeed's shm op is unavailable on another rank"
+    if peer is not None:
+        reducers[PEER], groups[PEER] = peer, groups["gloo"]
     ddp, fsdp, floors = {}, {}, {}
     if with_steps:
         ddp = {b: _stepper(DDP(_mlp(), process_group=groups[b]), rank) for b in BACKENDS}
@@ -181,11 +219,13 @@ def rank_main(
     sleeping_times: dict[str, list[float]] = {}
     for r in range(rounds):
         order = BACKENDS if r % 2 == 0 else BACKENDS[::-1]
+        reducing = list(reducers)[r % len(reducers) :] + list(reducers)[: r % len(reducers)]
+        for b in reducing:  # each first in turn
+            for key, t in tensors.items():
+                seconds = _timed(lambda t=t, f=reducers[b]: f(t), reps, groups[b])
+                samples.setdefault(key, {}).setdefault(b, []).append(seconds)
         for b in order:
             g = groups[b]
-            for key, t in tensors.items():
-                seconds = _timed(lambda t=t, g=g: dist.all_reduce(t, group=g), reps, g)
-                samples.setdefault(key, {}).setdefault(b, []).append(seconds)
             for key, table in (("DDP step", ddp), ("FSDP2 step", fsdp)) if with_steps else ():
                 seconds, cpu = _timed_cpu(table[b], steps, g)
                 samples.setdefault(key, {}).setdefault(b, []).append(seconds)
@@ -200,8 +240,10 @@ def rank_main(
             seconds, cpu = _timed_cpu(fn, steps, groups["gloo"])
             samples.setdefault("DDP step", {}).setdefault(key, []).append(seconds)
             samples.setdefault(f"DDP step {CPU}", {}).setdefault(key, []).append(cpu)
+    dist.barrier(group=groups["gloo"])
+    _deepspeed.remove_files(rank)
     if rank == 0:
-        queue.put((samples, sleeping_times))
+        queue.put((samples, sleeping_times, skipped))
     dist.destroy_process_group()
 
 
@@ -217,21 +259,33 @@ def _sleeping_rows(times: dict[str, list[float]]) -> dict[str, Any]:
     return rows
 
 
-def _report(samples: dict[str, dict[str, list[float]]], rounds: int) -> dict[str, Any]:
-    rows = {}
+def _per_round(a: list[float], b: list[float]) -> dict[str, float]:
+    return spread([x / y for x, y in zip(a, b, strict=True)])
+
+
+def _report(
+    samples: dict[str, dict[str, list[float]]], rounds: int, skipped: str
+) -> dict[str, Any]:
+    rows: dict[str, Any] = {}
     for key, by_backend in samples.items():
         gloo = by_backend["gloo"]
-        ratios = [a / b for a, b in zip(by_backend["gradhub"], gloo, strict=True)]
         rows[key] = {
             "gradhub_s": spread(by_backend["gradhub"]),
             "gloo_s": spread(gloo),
-            "ratio": spread(ratios),
+            "ratio": _per_round(by_backend["gradhub"], gloo),
         }
+        if PEER in by_backend:
+            rows[key][f"{PEER}_s"] = spread(by_backend[PEER])
+            rows[key][f"{PEER}_ratio"] = _per_round(by_backend[PEER], gloo)
+            rows[key][f"gradhub_vs_{PEER}"] = _per_round(by_backend["gradhub"], by_backend[PEER])
         for floor in FLOORS:
             if floor in by_backend:
                 per_round = [a / b for a, b in zip(by_backend[floor], gloo, strict=True)]
                 rows[key][floor] = {"s": spread(by_backend[floor]), "ratio": spread(per_round)}
-    return {"rounds": rounds, "world_size": 2, "machine": machine_note(), "rows": rows}
+    report = {"rounds": rounds, "world_size": 2, "machine": machine_note(), "rows": rows}
+    if any(k.startswith("all_reduce") for k in rows):
+        report[PEER] = _deepspeed.version() if not skipped else {"skipped": skipped}
+    return report
 
 
 def _merged(report: dict[str, Any], recorded: Path) -> dict[str, Any]:
@@ -240,41 +294,78 @@ def _merged(report: dict[str, Any], recorded: Path) -> dict[str, Any]:
     if not recorded.exists():
         return report
     old = json.loads(recorded.read_text())
-    partial = [p for p in old.get("partial_runs", []) if not set(p["rows"]) <= set(report["rows"])]
+    timed = {_dtype_of(k) for k in report["rows"] if k.startswith("all_reduce")}
+    kept = {
+        k: v
+        for k, v in old["rows"].items()
+        if not (k.startswith("all_reduce") and _dtype_of(k) in timed)
+    }
+    partial = [
+        {**p, "rows": [k for k in p["rows"] if k in kept and k not in report["rows"]]}
+        for p in old.get("partial_runs", [])
+    ]
+    partial = [p for p in partial if p["rows"]]
     run = {k: report[k] for k in ("rounds", "machine")}
+    if PEER in report:
+        run[PEER] = report[PEER]
     merged = {
         **old,
-        "rows": {**old["rows"], **report["rows"]},
+        "rows": {**kept, **report["rows"]},
         "partial_runs": [*partial, {"rows": list(report["rows"]), **run}]
         if report["rows"]
         else partial,
     }
+    if PEER in report:
+        merged[PEER] = report[PEER]
     if "sleeping" in report:  # the sleeping rows, and the run they came from
         merged["sleeping"], merged["sleeping_run"] = report["sleeping"], run
     return merged
 
 
+def _ratio(r: dict[str, float] | None) -> str:
+    return f"{r['median']:.2f}x [{r['min']:.2f}-{r['max']:.2f}]" if r else "-"
+
+
+def _dtype_of(key: str) -> str:
+    """The dtype of an all-reduce row (``all_reduce 4M bf16`` -> ``bf16``)."""
+    return next((d for d, (suffix, _) in DTYPES.items() if suffix and key.endswith(suffix)), "fp32")
+
+
 def _markdown(report: dict[str, Any]) -> str:
     m = report["machine"]
+    peer = report.get(PEER)
     lines = [
-        "# gradhub backend vs gloo (2 ranks, one host)",
+        "# gradhub backend vs gloo and DeepSpeed (2 ranks, one host)",
         "",
         f"{report['rounds']} rounds, alternating. Copy bandwidth (1 thread): "
         f"{m['copy_GBps_median']:.1f} GB/s; load average {m['loadavg']}.",
         "",
-        "| operation | gradhub (median s) | gloo (median s) | ratio median | ratio min-max |",
-        "|---|---|---|---|---|",
+        "DeepSpeed: "
+        + (
+            "not timed: " + peer["skipped"]
+            if peer and "skipped" in peer
+            else f"deepspeed {peer['version']}, `inference_all_reduce` (CPU shared-memory op), "
+            "one OpenMP thread"
+            if peer
+            else "not timed in these runs"
+        )
+        + ". Ratios per round; median [min-max].",
+        "",
+        "| operation | gradhub (median s) | gloo (median s) | gradhub / gloo "
+        "| DeepSpeed (median s) | DeepSpeed / gloo | gradhub / DeepSpeed |",
+        "|---|---|---|---|---|---|---|",
     ]
     partial = report.get("partial_runs", [])
     marks = {key: "*" * (i + 1) for i, run in enumerate(partial) for key in run["rows"]}
     rows = report["rows"]
     for key in sorted(rows, key=lambda k: not k.startswith("all_reduce")):  # stable
-        row, r = rows[key], rows[key]["ratio"]
-        lines.append(
-            f"| {key}{marks.get(key, '')} | {row['gradhub_s']['median']:.4f} "
-            f"| {row['gloo_s']['median']:.4f} | {r['median']:.2f}x "
-            f"| {r['min']:.2f}-{r['max']:.2f}x |"
-        )
+        row = rows[key]
+        cells = [f"{row['gradhub_s']['median']:.5f}", f"{row['gloo_s']['median']:.5f}"]
+        cells.append(_ratio(row["ratio"]))
+        ds = row.get(f"{PEER}_s")
+        cells.append(f"{ds['median']:.5f}" if ds else "-")
+        cells += [_ratio(row.get(f"{PEER}_ratio")), _ratio(row.get(f"gradhub_vs_{PEER}"))]
+        lines.append(f"| {key}{marks.get(key, '')} | " + " | ".join(cells) + " |")
     for i, run in enumerate(partial):
         machine = run["machine"]
         lines += [
@@ -332,7 +423,12 @@ def _markdown(report: dict[str, Any]) -> str:
                 )
             ]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines += ["", "Goals: all-reduce <= 0.5x gloo from 4M up; DDP step <= 0.8x.", ""]
+    lines += [
+        "",
+        "Goals: all-reduce <= 0.5x gloo from 4M up and <= 1.0x DeepSpeed from 64K up; "
+        "DDP step <= 0.8x.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -342,7 +438,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5, help="timed all-reduces per round")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per round")
     parser.add_argument(
-        "--sizes", default="1,4,25", help="all-reduce sizes, millions of elements (1M = 2**20)"
+        "--sizes", default=SIZES, help="all-reduce sizes in elements (64K = 2**16, 1M = 2**20)"
     )
     parser.add_argument("--dtypes", default="fp32,bf16", help="all-reduce dtypes: fp32, bf16")
     parser.add_argument(
@@ -357,7 +453,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    sizes = [int(m) << 20 for m in args.sizes.split(",")]
+    sizes = [_elements(m) for m in args.sizes.split(",")]
     dtypes = args.dtypes.split(",")
     unknown = set(dtypes) - set(DTYPES)
     if unknown:
@@ -366,10 +462,12 @@ def main() -> None:
     sleeping = args.rows in ("all", "sleeping")
     if args.rows == "sleeping":
         sizes = []
-    samples, sleeping_times = rank_zero_result(
+    samples, sleeping_times, skipped = rank_zero_result(
         rank_main, 2, args.rounds, args.reps, args.steps, sizes, dtypes, with_steps, sleeping
     )
-    report = _report(samples, args.rounds)
+    if skipped and sizes:
+        print(f"DeepSpeed rows skipped: {skipped}")
+    report = _report(samples, args.rounds, skipped)
     if sleeping:
         report["sleeping"] = _sleeping_rows(sleeping_times)
     if args.merge:

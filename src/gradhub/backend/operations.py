@@ -33,10 +33,11 @@ Numerics of the transport path (every rank ends with the same bits):
   ``gloo`` send the 16-bit values themselves (the 16-bit wire codecs of
   :mod:`gradhub.codecs`) on their collective path at every size, which
   rounds each contribution to 16 bits (no change here) and never a partial
-  sum per hop; shared memory and ``hierarchical`` carry the fp32 values (on
-  one host the conversions would cost more than the bytes they save; the
-  ring between hosts would round per hop). So every transport gives the same
-  bits, ``hierarchical`` those of its own order.
+  sum per hop; shared memory carries the 16-bit values too and forms each
+  sum in fp32 as it adds (:mod:`gradhub.transports.sums16`: no fp32 copy of
+  the vector), ``hierarchical`` the fp32 values (its ring between hosts would
+  round per hop). So every transport gives the same bits, ``hierarchical``
+  those of its own order.
   gloo adds two values in fp32 and rounds to 16 bits after every addition:
   with two ranks that is one addition, the same bits. With ``P > 2`` ranks
   gloo rounds ``P - 1`` times where this rounds once: with ``u`` the dtype's
@@ -56,8 +57,9 @@ Numerics of the transport path (every rank ends with the same bits):
 
 Non-contiguous tensors go through contiguous copies that are copied back;
 fp32 tensors that lie back to back in one storage (``reduce_scatter_tensor``'s
-chunks of one input) are read in place, as one vector; 16-bit tensors are
-widened into an fp32 vector of the group's (reused between operations).
+chunks of one input) are read in place, as one vector; so are 16-bit
+tensors summed in shared memory (an all-reduce); elsewhere 16-bit tensors
+are widened into an fp32 vector of the group's (reused between operations).
 
 The bodies call the transport (:class:`~gradhub.transports.base.Transport`)
 on the group's worker thread itself: the transports' group belongs to this
@@ -201,8 +203,9 @@ def _begin(ctx: Context, name: str) -> tuple[Operation, Transport]:
 
 def _summing(transport: Transport, dtype: torch.dtype) -> tuple[codecs.Codec, Chunking]:
     """The wire codec and chunking of a sum of ``dtype`` values (module docstring):
-    fp32 in memory (``shm``; ``hierarchical``, whose ring between hosts would
-    round per hop), the 16-bit values over a network, summed without rounding."""
+    the values as they are in memory (``shm``: fp32, or 16-bit values summed in
+    fp32; ``hierarchical``: fp32, its ring between hosts would round per hop),
+    the 16-bit values over a network, summed without rounding."""
     if dtype == torch.float32 or transport.name in ("shm", "hierarchical"):
         return _PLAIN, _DEFAULT
     return WIRE[dtype], _EVERY_SIZE
@@ -231,13 +234,13 @@ def transport_all_reduce(
 ) -> None:
     """In-place all-reduce of ``tensors`` (one dtype of :data:`WIRE`, coalesced into one vector)."""
     dtype = tensors[0].dtype
-    if dtype == torch.float32:
-        flat, in_place = _flat(tensors)
+    op, transport = _begin(ctx, name) if ctx.size > 1 else (None, None)
+    if dtype == torch.float32 or transport is None or transport.name == "shm":
+        flat, in_place = _flat(tensors)  # shm sums 16-bit values where they lie
         premultiply([flat], reduction)
     else:
         flat, in_place = _widened(ctx, tensors, reduction), False
-    if ctx.size > 1:
-        op, transport = _begin(ctx, name)
+    if transport is not None and op is not None:
         codec, chunking = _summing(transport, dtype)
         transport.all_reduce(op, flat, codec, chunking)
     average = reduction.kind == RedOp.AVG

@@ -110,6 +110,7 @@ from gradhub.transports.shm_setup import (
     join,
     share_segment,
 )
+from gradhub.transports.sums16 import CHUNK, add_widened
 
 _log = logging.getLogger("gradhub.collective")
 
@@ -248,12 +249,14 @@ class ShmTransport(Transport):
         rank ``i`` sums (one each for a plain reduce-scatter; several for
         :mod:`.hierarchical`); ``out`` receives this rank's segments' sums back
         to back, and may be its one segment of ``flat`` itself. ``hop``: round
-        like the ring's point-to-point path (see the module docstring).
+        like the ring's point-to-point path (see the module docstring). With
+        ``"none"``, ``flat`` and ``out`` may be bf16 or fp16: the regions hold
+        those values and each sum is formed in fp32, rounded once (:mod:`.sums16`).
         """
         P, me = self.size, self.index
         plain = isinstance(codec, codecs.NoCompression)
         prescale = hop and codec.wire_dtype == torch.float16
-        dtype = torch.float32 if plain or hop else codec.wire_dtype
+        dtype = flat.dtype if plain else torch.float32 if hop else codec.wire_dtype
         k, regions = self._begin(op, flat.numel(), dtype)
         mine = regions[me]
         exposed = self._expose(k, flat, plain)
@@ -273,8 +276,14 @@ class ShmTransport(Transport):
         at = 0
         for s, n in owned[me]:
             parts = [sources[j][s : s + n] for j in order[:-1]]
-            scratch = self.group.scratch("shm_acc", n, torch.float32)
-            add_in_order(parts, flat[s : s + n], codec, out[at : at + n], hop=hop, scratch=scratch)
+            if flat.dtype != torch.float32:  # plain 16-bit values: fp32 sums, rounded once
+                scratch = self.group.scratch("shm_acc", min(n, CHUNK), torch.float32)
+                add_widened(parts, flat[s : s + n], out[at : at + n], scratch)
+            else:
+                scratch = self.group.scratch("shm_acc", n, torch.float32)
+                add_in_order(
+                    parts, flat[s : s + n], codec, out[at : at + n], hop=hop, scratch=scratch
+                )
             at += n
             del parts
         del regions, mine, sources
@@ -292,11 +301,12 @@ class ShmTransport(Transport):
         """Every rank's encoded segments, decoded into their places in ``out`` (flat fp32).
 
         ``owned[i]``: local rank ``i``'s segments of ``out``; ``own_wire``
-        holds this rank's, back to back.
+        holds this rank's, back to back. With ``"none"``, ``out`` may be bf16
+        or fp16 (``own_wire`` of its dtype): its bytes travel unchanged.
         """
         me = self.index
         plain = isinstance(codec, codecs.NoCompression)
-        k, regions = self._begin(op, out.numel(), codec.wire_dtype)
+        k, regions = self._begin(op, out.numel(), out.dtype if plain else codec.wire_dtype)
         exposed = self._expose(k, out, plain)
         # the others read this rank's slice where it lies (one copy, not two)
         direct = self._cross and plain and not exposed and own_wire.is_contiguous()

@@ -1,0 +1,59 @@
+"""16-bit sums in fp32 (gradhub.transports.sums16) against the stated numerics:
+widen, add in fp32 in order, round once, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradhub.transports.sums16 import CHUNK, add_widened
+
+SPECIAL = {
+    torch.bfloat16: [3.3e38, -3.3e38, 2.0**-133, 1.0, 2.0**-8, -0.0, 0.0, float("inf")],
+    torch.float16: [65504.0, -65504.0, 2.0**-24, 1.0, 2.0**-11, -0.0, 0.0, float("-inf")],
+}
+
+
+def reference(parts: list[torch.Tensor], own: torch.Tensor) -> torch.Tensor:
+    acc = parts[0].to(torch.float32)
+    for p in [*parts[1:], own]:
+        acc = acc + p.to(torch.float32)
+    return acc.to(own.dtype)
+
+
+def vectors(count: int, n: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
+    """``count`` vectors whose sums round visibly: values of every magnitude,
+    ties, overflow, subnormals, signed zeros."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(count):
+        x = torch.randn(n, generator=g) * torch.exp2(torch.randint(-20, 20, (n,), generator=g))
+        k = min(n, len(SPECIAL[dtype]))
+        x[:k] = torch.tensor(SPECIAL[dtype][:k]) * (1 if i % 2 == 0 else 0.5)
+        out.append(x.to(dtype))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+@pytest.mark.parametrize("n", [1, 1000, CHUNK + 7])
+def test_sum_is_the_fp32_sum_in_order_rounded_once(dtype: torch.dtype, ranks: int, n: int) -> None:
+    *parts, own = vectors(ranks, n, dtype, seed=ranks * 7 + n)
+    want = reference(parts, own)
+    out = torch.empty(n, dtype=dtype)
+    add_widened(parts, own, out, torch.empty(min(n, CHUNK)))
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+    # in place (out is own), as the shared-memory transport sums
+    add_widened(parts, own, own, torch.empty(min(n, CHUNK)))
+    assert torch.equal(own.view(torch.int16), want.view(torch.int16))
+
+
+def test_rounding_once_differs_from_rounding_per_addition() -> None:
+    """The case the fp32 accumulation exists for: in bf16 (unit roundoff
+    2**-8) 1 + 2**-8 + 2**-8 rounds to 1 after each addition (ties to even),
+    to 1 + 2**-7 when rounded once at the end."""
+    one, tiny = torch.tensor([1.0], dtype=torch.bfloat16), torch.tensor([2.0**-8]).bfloat16()
+    out = torch.empty(1, dtype=torch.bfloat16)
+    add_widened([one, tiny], tiny, out, torch.empty(1))
+    assert out.item() == 1.0 + 2.0**-7
+    assert (one + tiny + tiny).item() == 1.0
