@@ -53,8 +53,9 @@ def ring_bytes(numel: int, world: int) -> float:
 
 
 def powersgd_numel(shapes: list[torch.Size]) -> int:
-    """Values PowerSGD (rank 1, the defaults of :mod:`gradhub.powersgd`) all-reduces
-    per step: ``rows + cols`` per matrix worth compressing, every value otherwise
+    """Values PowerSGD (rank 1, the defaults of
+    :mod:`gradhub.train.reducers.powersgd`) all-reduces per step: ``rows +
+    cols`` per matrix worth compressing, every value otherwise
     (a quarter of what its ``bytes_reduced`` counts, the same number)."""
     total = 0
     for shape in shapes:

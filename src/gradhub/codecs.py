@@ -35,16 +35,17 @@ anywhere; ``diloco`` also takes the *tensor codecs*, ``"fp4"``, whose wire
 is one whole tensor's blocks, scales and shape, sent as a unit) or a
 *bucket reducer* (how the ``allreduce`` strategy sums a gradient bucket:
 ``"none"``, ``"fp16"``, ``"bf16"``, ``"powersgd"``, and the names
-:func:`gradhub.train.reducers.register` adds). :func:`check` is the one
-validation every entry point calls, so an unknown name is refused with the
-same message everywhere, listing the names that entry point takes.
+:func:`gradhub.train.reducers.register` adds; their registry is
+:mod:`gradhub.train.reducers.registry`, which hands its names to
+:func:`check`). :func:`check` is the one validation every entry point calls,
+so an unknown name is refused with the same message everywhere, listing the
+names that entry point takes.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Collection
 
 import torch
 
@@ -265,31 +266,31 @@ ENTRY_POINTS: dict[str, str] = {
 }
 """What each ``compress=`` takes (the ``for_`` of :func:`check`)."""
 
-_REDUCERS: dict[str, Callable[..., Any]] = {}
-"""Bucket reducer factories by name. Filled when :mod:`gradhub.train.reducers` is
-imported (its built-ins) and by :func:`gradhub.train.reducers.register`: the one
-piece of module-level state of the vocabulary, as a plug-in registry is."""
-
 
 def available(kind: str = WIRE) -> list[str]:
-    """The names of ``kind`` (:data:`WIRE`, :data:`TENSOR`: in wire-code order;
-    :data:`BUCKET`: sorted)."""
+    """The codec names of ``kind`` (:data:`WIRE` or :data:`TENSOR`), in wire-code
+    order. The :data:`BUCKET` names are the reducers' registry's
+    (:func:`gradhub.train.reducers.available`)."""
     if kind == WIRE:
         return [name for name, c in _CODECS.items() if c.elementwise]
     if kind == TENSOR:
         return list(_CODECS)
-    if kind == BUCKET:
-        return sorted(_REDUCERS)
-    raise ValueError(f"unknown kind {kind!r}; choose {WIRE!r}, {TENSOR!r} or {BUCKET!r}")
+    raise ValueError(
+        f"unknown kind {kind!r}; choose {WIRE!r} or {TENSOR!r} "
+        "(the bucket reducers are gradhub.train.reducers.available())"
+    )
 
 
-def check(name: object, *, for_: str) -> str:
+def check(name: object, *, for_: str, reducers: Collection[str] = ()) -> str:
     """The canonical name if ``name`` is a ``compress=`` value that ``for_`` (a key
     of :data:`ENTRY_POINTS`: a strategy or a class) takes, else ``ValueError``
     naming the entry point and listing what it takes. Wire codec names are
     case-insensitive; a :class:`Codec` instance passes where a wire codec does.
-    A tensor codec (``fp4``) where only elementwise ones go is refused saying so."""
+    A tensor codec (``fp4``) where only elementwise ones go is refused saying so.
+    ``reducers``: the bucket reducer names, for an entry point that takes them
+    (:mod:`gradhub.train.reducers.registry` passes its own, sorted)."""
     kind = ENTRY_POINTS[for_]
+    names = list(reducers) if kind == BUCKET else available(kind)
     if kind in (WIRE, TENSOR):
         codec = name if isinstance(name, Codec) else None
         if isinstance(name, str) and name.lower() in _CODECS:
@@ -301,15 +302,15 @@ def check(name: object, *, for_: str) -> str:
                 f"compress={codec.name!r} is a tensor codec (blocks of values with a scale "
                 f"each, decoded whole); {for_} takes elementwise codecs only (its wire is cut into "
                 f"slices)\n- help: choose one of "
-                f"{', '.join(available(kind))} ({kind}s); {codec.name} goes with strategy "
+                f"{', '.join(names)} ({kind}s); {codec.name} goes with strategy "
                 "'diloco' (its pseudo-gradients)"
             )
-    elif isinstance(name, str) and name in _REDUCERS:
+    elif isinstance(name, str) and name in names:
         return name
     extra = "; gradhub.train.reducers.register adds one" if kind == BUCKET else ""
     raise ValueError(
         f"unknown compress={name!r} for {for_}\n"
-        f"- help: choose one of {', '.join(available(kind))} ({kind}s{extra})"
+        f"- help: choose one of {', '.join(names)} ({kind}s{extra})"
     )
 
 
@@ -319,20 +320,6 @@ def get(name: str | Codec, *, for_: str = "a wire codec") -> Codec:
     if isinstance(name, Codec):
         return name
     return _CODECS[check(name, for_=for_)]()
-
-
-def register_reducer(name: str, factory: Callable[..., Any]) -> None:
-    """Add a bucket reducer name (:func:`gradhub.train.reducers.register` calls this)."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"a bucket reducer name is a non-empty str, got {name!r}")
-    if name in _REDUCERS:
-        raise ValueError(f"a bucket reducer called {name!r} is already registered")
-    _REDUCERS[name] = factory
-
-
-def reducer_factory(name: str) -> Callable[..., Any]:
-    """The factory of the bucket reducer ``name`` (``ValueError`` listing them if unknown)."""
-    return _REDUCERS[check(name, for_="allreduce")]
 
 
 class ErrorFeedback:

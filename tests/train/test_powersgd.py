@@ -12,7 +12,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import gradhub
-from gradhub.powersgd import PowerSGD, orthonormalize_
+from gradhub.train.reducers.powersgd import PowerSGD, orthonormalize_
 from gradhub.transports import choice as transport
 from harness import run_ranks
 from train_helpers import counting_backend_all_reduce
