@@ -204,7 +204,8 @@ def markdown(report: dict[str, Any]) -> str:
         f'batch {meta["batch"]}, `strategy="allreduce"`); one-thread copy '
         f"{copy['copy_GBps_median']:.1f} GB/s; load average (1 min) "
         f"{loads['overhead'][0]:.1f} before part 1, {loads['kills'][0]:.1f} before part 2, "
-        f"{loads['after'][0]:.1f} after; scheduling: {meta['scheduling']}.",
+        f"{loads['after'][0]:.1f} after (the jobs' own workers included); scheduling: "
+        f"{meta['scheduling']}.",
         "",
         f"Per-step cost, `gradhub run -n 2 [--survive]`, {meta['rounds']} alternating rounds of "
         f"{meta['steps']} steps (rank 0's median step-to-step time, the first {SKIP} skipped; "
@@ -228,6 +229,17 @@ def markdown(report: dict[str, Any]) -> str:
             f"{r['max']:.3f}] | {row['plain_wall_per_step_s']['median'] * 1e3:.1f} / "
             f"{row['survive_wall_per_step_s']['median'] * 1e3:.1f} |"
         )
+    threads = {
+        m: ", ".join(map(str, t)) for m, t in report["overhead"]["as launched"]["threads"].items()
+    }
+    if threads["plain"] != threads["survive"]:
+        lines += [
+            "",
+            f"As launched, the workers' torch threads differ ({threads['plain']} plain, "
+            f"{threads['survive']} under `--survive`): torchrun's agent sets OMP_NUM_THREADS=1 "
+            "for more than one worker per node, the `--survive` supervisor leaves it unset. "
+            "The OMP_NUM_THREADS=1 row compares the survival machinery alone.",
+        ]
     rec = report["kills"]
     t, again = rec["to_next_commit_s"], rec["steps_trained_again"]
     lines += [
@@ -235,7 +247,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"A kill to the next committed step, {len(rec['kills'])} kills in "
         f"{meta['kill_jobs']} jobs of `gradhub run -n 4 --survive` ({KILL_STEPS} steps, "
         "1 MB buckets; 4 workers on "
-        f"{os.cpu_count()} cores): median {t['median']:.3f} s [{t['min']:.3f}, {t['max']:.3f}] "
+        f"{meta['cores']} cores): median {t['median']:.3f} s [{t['min']:.3f}, {t['max']:.3f}] "
         f"until every survivor committed it; steps trained again per kill: median "
         f"{again['median']:.0f} [{again['min']:.0f}, {again['max']:.0f}].",
         "",
