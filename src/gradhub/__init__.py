@@ -7,7 +7,6 @@ from gradhub import backend as _backend
 from gradhub import codecs, partition, trees
 from gradhub._version import __version__
 from gradhub.collective import AllReduceParameter, ShardedOptimizer
-from gradhub.coordinator import DistributedGradientsCoordinator
 from gradhub.errors import (
     AuthenticationError,
     ClosedError,
@@ -29,7 +28,13 @@ from gradhub.errors import (
     UnknownParameterError,
     WorkerFailedError,
 )
-from gradhub.merge import ModelUpdate, WorkerUpdate, merge_worker_updates, split_batch
+from gradhub.inprocess import (
+    DistributedGradientsCoordinator,
+    ModelUpdate,
+    WorkerUpdate,
+    merge_worker_updates,
+    split_batch,
+)
 from gradhub.ps.base import ParameterServer
 from gradhub.ps.client.remote import RemoteParameterServer
 from gradhub.ps.local import LocalParameterServer

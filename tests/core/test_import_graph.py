@@ -47,6 +47,17 @@ FORBIDDEN = {
     "gradhub.ps.client": ("gradhub.ps.server",),
     "gradhub.ps.server": ("gradhub.ps.client",),
     "gradhub.ps.wire": ("gradhub.ps.client", "gradhub.ps.server"),
+    "gradhub.inprocess": (
+        "gradhub._shm",
+        "gradhub.transports",
+        "gradhub.runtime",
+        "gradhub.collective",
+        "gradhub.ps",
+        "gradhub.backend",
+        "gradhub.train",
+        "gradhub.cli",
+        "gradhub.demo",
+    ),
 }
 """Subsystem (or a side of one) -> packages it must not import."""
 

@@ -15,7 +15,7 @@ or shapes do not fit together, a root rank outside the group, split sizes
 that do not add up. gloo raises some of these from ``wait()`` after the
 exchange; here each is raised before it, a ``RuntimeError`` as gloo's (what
 DDP and torch's own code catch), never a failed ``Work`` (failing a Work's
-future crashes DDP's backward; DESIGN.md section 16). What only another
+future crashes DDP's backward). What only another
 rank could see (a peer that passes other sizes) cannot be checked here: the
 operation then runs into the group's timeout, as on gloo.
 """

@@ -1,9 +1,9 @@
 """Asynchronous data-parallel training with worker threads and a coordinator.
 
 Each worker thread walks the same shuffled mini-batches, takes its round-robin
-share of each (:func:`~gradhub.merge.split_batch`), computes the gradient of a
+share of each (:func:`~gradhub.inprocess.merge.split_batch`), computes the gradient of a
 softmax classifier on the coordinator's current parameters, and adds it to a
-:class:`~gradhub.coordinator.DistributedGradientsCoordinator` that applies it
+:class:`~gradhub.inprocess.coordinator.DistributedGradientsCoordinator` that applies it
 at once (asynchronous SGD: a worker may compute on parameters a few steps old).
 
 Decisions:
@@ -32,8 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gradhub.coordinator import DistributedGradientsCoordinator
-from gradhub.merge import split_batch
+from gradhub.inprocess import DistributedGradientsCoordinator, split_batch
 
 logger = logging.getLogger(__name__)
 

@@ -47,7 +47,7 @@ from torch.utils.data import (
 )
 from torch.utils.data._utils.collate import default_collate
 
-from gradhub.merge import split_batch
+from gradhub.inprocess.merge import split_batch
 
 
 @dataclass

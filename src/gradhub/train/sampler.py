@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from gradhub.errors import InvalidOptionError
-from gradhub.merge import split_batch
+from gradhub.inprocess.merge import split_batch
 from gradhub.runtime import BatchShare, Runtime, current
 
 

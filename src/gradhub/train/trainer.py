@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any
 
-from gradhub.merge import ModelUpdate, WorkerUpdate, merge_worker_updates, split_batch
+from gradhub.inprocess.merge import ModelUpdate, WorkerUpdate, merge_worker_updates, split_batch
 from gradhub.runtime import Runtime, init
 from gradhub.train.data import Source
 from gradhub.train.distributed_optimizer import DistributedOptimizer

@@ -1,11 +1,14 @@
-"""Split a batch across workers and merge their updates (DESIGN 4).
+"""Split a batch across workers and merge their updates.
+
+The two functions behind :class:`~gradhub.DataParallelTrainer`'s
+``split_batch`` and ``merge_worker_updates``, exported by :mod:`gradhub` too:
 
 - :func:`split_batch`: sample ``i`` goes to worker ``i % n``, order kept, always
   exactly ``n`` parts (some empty when there are fewer samples than workers).
 - :func:`merge_worker_updates`: the average of the workers' gradients weighted
   by the samples each processed, so uneven shares are exact.
 
-Decisions (where DESIGN 4 is silent):
+Decisions:
 
 - ``split_batch`` keeps the container type: a tensor gives tensors, a NumPy
   array gives arrays, a dict gives dicts and a tuple of columns gives tuples.

@@ -6,7 +6,7 @@ applies the queued gradients to the main parameters one at a time, first in,
 first out: ``theta <- theta - lr * g`` in ``"descent"`` mode and
 ``theta <- theta + lr * g`` in ``"ascent"`` mode.
 
-Decisions (where DESIGN 3 is silent):
+Decisions:
 
 - A gradient is validated *when it is added*: structure and shapes against the
   parameters' :class:`~gradhub.trees.TreeSpec` (``ShapeMismatchError``), then
@@ -28,7 +28,7 @@ Decisions (where DESIGN 3 is silent):
 - ``add_gradients`` returns the gradient's sequence number (1, 2, ...; ``None``
   when skipped); ``on_applied(seq)`` (optional) is called in the applying
   thread after each apply, and :meth:`wait_applied` blocks until a sequence
-  number has been applied. The parameter server's asynchronous mode uses these.
+  number has been applied: how a caller learns that its gradient took effect.
 - The context manager starts on enter and stops (draining) on exit; the
   parameters stay readable. :meth:`close` stops and refuses any further use.
 - Changing the parameters' structure with :meth:`set_model_parameters` while
