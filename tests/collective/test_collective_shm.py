@@ -163,7 +163,7 @@ def our_fds() -> list[str]:
 def killed_job(rank: int, world_size: int, port: int) -> dict[str, object]:
     torch.set_num_threads(1)
     group = local_group(rank, world_size, port, timeout=20, transport="shm")
-    x = torch.ones(100_000)
+    x = torch.ones(shm.ONE_SYNC_BYTES // 4 + 1)  # past the one-synchronisation all-reduce
     all_reduce(x, group=group).wait()
     if rank == world_size - 1:
         # SIGKILLed half-way through the next all-reduce: after its

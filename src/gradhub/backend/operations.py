@@ -34,7 +34,7 @@ Numerics of the transport path (every rank ends with the same bits):
   :mod:`gradhub.codecs`) on their collective path at every size, which
   rounds each contribution to 16 bits (no change here) and never a partial
   sum per hop; shared memory carries the 16-bit values too and forms each
-  sum in fp32 as it adds (:mod:`gradhub.transports.sums16`: no fp32 copy of
+  sum in fp32 as it adds (:mod:`gradhub.transports.shm_sums`: no fp32 copy of
   the vector), ``hierarchical`` the fp32 values (its ring between hosts would
   round per hop). So every transport gives the same bits, ``hierarchical``
   those of its own order.

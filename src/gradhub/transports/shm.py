@@ -33,7 +33,9 @@ Algorithm (one synchronisation per operation):
 
 Operation ``k + 2`` reuses set ``k % 2``; a rank gets there only after every
 counter reached ``k + 1``, i.e. after every rank finished reading operation
-``k``. So one synchronisation per operation suffices.
+``k``. So one synchronisation per operation suffices. An all-reduce of plain
+values up to ``ONE_SYNC_BYTES`` (8 MiB) is one operation: every rank writes
+its whole vector, then adds every slice itself (:mod:`.shm_sums`, same bits).
 
 All-gather from the owners' memory: where every rank may read every other
 rank's memory (``process_vm_readv``, :mod:`gradhub._shm.cma`; agreed at
@@ -95,7 +97,7 @@ from gradhub._shm.memory import Mapping, forgetting_views, supported
 from gradhub.errors import ClosedError, CollectiveTimeoutError, StateError, WorkerFailedError
 from gradhub.transports.base import Chunking, Ranges, Transport
 from gradhub.transports.group import CollectiveGroup, Operation
-from gradhub.transports.schedule import add_in_order, reduction_order
+from gradhub.transports.schedule import reduction_order
 from gradhub.transports.shm_control import (
     ADDRESS,
     ENTERED,
@@ -110,11 +112,12 @@ from gradhub.transports.shm_setup import (
     join,
     share_segment,
 )
-from gradhub.transports.sums16 import CHUNK, add_widened
+from gradhub.transports.shm_sums import add_everywhere, add_values
 
 _log = logging.getLogger("gradhub.collective")
 
 _ALIGN = 4096
+ONE_SYNC_BYTES = 8 << 20
 _MIN_CAPACITY = 1 << 20
 
 Segments = Sequence[Sequence[tuple[int, int]]]
@@ -192,6 +195,21 @@ class ShmTransport(Transport):
     ) -> None:
         self.all_gather_segments(op, own_wire, codec, [[c] for c in ranges], out)
 
+    @forgetting_views
+    def all_reduce(
+        self, op: Operation, flat: torch.Tensor, codec: codecs.Codec, chunking: Chunking
+    ) -> None:
+        """Plain values of at most :data:`ONE_SYNC_BYTES`: one synchronisation,
+        every rank adds every slice (:func:`.shm_sums.add_everywhere`, the same bits)."""
+        plain = isinstance(codec, codecs.NoCompression)
+        if not plain or flat.numel() * flat.element_size() > ONE_SYNC_BYTES:
+            return super().all_reduce(op, flat, codec, chunking)
+        k, regions = self._begin(op, flat.numel(), flat.dtype)
+        regions[self.index].copy_(flat)
+        self._publish(op, k, "all_reduce")
+        add_everywhere(regions, flat, self.group)
+        del regions
+
     # ------------------------------------------------- vectors read in place
     def shared_vector(self, op: Operation, numel: int) -> torch.Tensor:
         """A new fp32 vector of ``numel`` elements in a segment every rank maps
@@ -250,8 +268,7 @@ class ShmTransport(Transport):
         :mod:`.hierarchical`); ``out`` receives this rank's segments' sums back
         to back, and may be its one segment of ``flat`` itself. ``hop``: round
         like the ring's point-to-point path (see the module docstring). With
-        ``"none"``, ``flat`` and ``out`` may be bf16 or fp16: the regions hold
-        those values and each sum is formed in fp32, rounded once (:mod:`.sums16`).
+        ``"none"`` the values may be bf16 or fp16 (:mod:`.shm_sums`).
         """
         P, me = self.size, self.index
         plain = isinstance(codec, codecs.NoCompression)
@@ -276,14 +293,7 @@ class ShmTransport(Transport):
         at = 0
         for s, n in owned[me]:
             parts = [sources[j][s : s + n] for j in order[:-1]]
-            if flat.dtype != torch.float32:  # plain 16-bit values: fp32 sums, rounded once
-                scratch = self.group.scratch("shm_acc", min(n, CHUNK), torch.float32)
-                add_widened(parts, flat[s : s + n], out[at : at + n], scratch)
-            else:
-                scratch = self.group.scratch("shm_acc", n, torch.float32)
-                add_in_order(
-                    parts, flat[s : s + n], codec, out[at : at + n], hop=hop, scratch=scratch
-                )
+            add_values(parts, flat[s : s + n], codec, out[at : at + n], hop=hop, group=self.group)
             at += n
             del parts
         del regions, mine, sources
@@ -301,8 +311,7 @@ class ShmTransport(Transport):
         """Every rank's encoded segments, decoded into their places in ``out`` (flat fp32).
 
         ``owned[i]``: local rank ``i``'s segments of ``out``; ``own_wire``
-        holds this rank's, back to back. With ``"none"``, ``out`` may be bf16
-        or fp16 (``own_wire`` of its dtype): its bytes travel unchanged.
+        holds this rank's, back to back. With ``"none"``: any dtype, as it is.
         """
         me = self.index
         plain = isinstance(codec, codecs.NoCompression)
@@ -343,7 +352,8 @@ class ShmTransport(Transport):
         try:
             cma.read_into(self._joined.pids[c], address, into)
         except OSError as exc:
-            if not self._ctl.alive(c):
+            # ESRCH: the process is gone (its pidfd may not say so yet while it exits).
+            if isinstance(exc, ProcessLookupError) or not self._ctl.alive(c):
                 raise self._died(op, c, "all_gather") from exc
             self.group.mark_broken(f"{op.name} failed")
             raise StateError(

@@ -1,12 +1,15 @@
-"""16-bit sums in fp32 (gradhub.transports.sums16) against the stated numerics:
-widen, add in fp32 in order, round once, bit for bit."""
+"""The shared-memory transport's additions (gradhub.transports.shm_sums) against
+the stated numerics, bit for bit: 16-bit values widened, added in fp32 in
+order, rounded once; every slice added on every rank in its owner's order."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from gradhub.transports.sums16 import CHUNK, add_widened
+from gradhub.partition import partition_ranges
+from gradhub.transports.schedule import reduction_order
+from gradhub.transports.shm_sums import CHUNK, add_everywhere, add_widened
 
 SPECIAL = {
     torch.bfloat16: [3.3e38, -3.3e38, 2.0**-133, 1.0, 2.0**-8, -0.0, 0.0, float("inf")],
@@ -57,3 +60,36 @@ def test_rounding_once_differs_from_rounding_per_addition() -> None:
     add_widened([one, tiny], tiny, out, torch.empty(1))
     assert out.item() == 1.0 + 2.0**-7
     assert (one + tiny + tiny).item() == 1.0
+
+
+class _Group:
+    """The one thing the additions ask of a CollectiveGroup: scratch buffers."""
+
+    def scratch(self, slot: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_every_slice_is_added_in_its_owners_order(dtype: torch.dtype, ranks: int) -> None:
+    """What the reduce-scatter forms on the owner of each slice, formed for the
+    whole vector on any rank (the one-synchronisation all-reduce)."""
+    n = 1001
+    if dtype == torch.float32:
+        g = torch.Generator().manual_seed(ranks)
+        regions = [torch.randn(n, generator=g) * 10.0 ** (r - 2) for r in range(ranks)]
+    else:
+        regions = vectors(ranks, n, dtype, seed=ranks)
+    want = torch.empty(n, dtype=dtype)
+    for c, (s, m) in enumerate(partition_ranges(n, ranks)):
+        *parts, own = [regions[j][s : s + m] for j in reduction_order(c, ranks)]
+        if dtype == torch.float32:  # the ring's fp32 additions, one rounding each
+            acc = parts[0].clone()
+            for p in [*parts[1:], own]:
+                acc = acc + p
+            want[s : s + m] = acc
+        else:
+            want[s : s + m] = reference(parts, own)
+    out = torch.empty(n, dtype=dtype)
+    add_everywhere(regions, out, _Group())  # type: ignore[arg-type]
+    assert torch.equal(out.view(torch.uint8), want.view(torch.uint8))
