@@ -132,17 +132,17 @@ def test_duplicate_sends_applied_once(signed_server: ServerHandle) -> None:
     with _client(signed_server, 6) as ps:
         ps.init("dup", torch.zeros(2))
         before = ps.stats()[0]["counters"]["push_duplicate"]
-        channel = ps._channel
-        send = channel._send
+        exchange = ps._channel._exchange
+        send = exchange.send
 
         def send_three_times(s, req):  # type: ignore[no-untyped-def]
             for _ in range(3):
                 send(s, req)
 
-        channel._send = send_three_times  # type: ignore[method-assign]
+        exchange.send = send_three_times  # type: ignore[method-assign]
         for _ in range(5):
             ps.push("dup", torch.ones(2)).result(10)
-        channel._send = send  # type: ignore[method-assign]
+        exchange.send = send  # type: ignore[method-assign]
         out = torch.zeros(2)
         ps.pull("dup", out).result(10)
         assert torch.equal(out, torch.full((2,), -5.0))  # SGD(lr=1): 5 pushes of 1

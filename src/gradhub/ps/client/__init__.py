@@ -10,6 +10,7 @@
   its requests), ``pending.py`` (a request's future: waiting on it drives the
   channel).
 - Servers on this host: ``arena.py`` (payloads through shared memory),
+  ``link_arenas.py`` (the channel's arenas, one per link that has one),
   ``shared_tensors.py`` (the user's own tensors there).
 
 It shares :mod:`gradhub.ps.wire` with the server and imports nothing of

@@ -13,9 +13,10 @@
   while another thread holds the lock is queued and the holder (or the I/O
   thread, woken by a pipe) sends it.
 - **The protocol.** What is sent to each server and when, and what each
-  answer does (credit, deadlines, retries, hello and replay, failures), is
-  the base class :class:`~gradhub.ps.client.exchange.Exchange`; the channel calls
-  it under ``_io``.
+  answer does (credit, hello and replay, failures), is the channel's
+  :class:`~gradhub.ps.client.exchange.Exchange`; what is due by the clock
+  (deadlines, retries, cancels) its :class:`~gradhub.ps.client.deadlines.Deadlines`.
+  The channel owns both and calls them under ``_io``.
 - **Shared arena.** With a server on this host that offers one, payloads of
   at least ``arena_min_bytes`` travel through shared memory
   (:mod:`gradhub.ps.wire.arena`); the messages stay on ZeroMQ. When the arena's
@@ -32,6 +33,7 @@ import itertools
 import logging
 import math
 import os
+import secrets
 import select
 import threading
 import time
@@ -40,19 +42,19 @@ from collections.abc import Sequence
 import zmq
 
 from gradhub.errors import ClosedError
-from gradhub.ps.client.arena import ClientArena
+from gradhub.ps.client.deadlines import Deadlines
 from gradhub.ps.client.exchange import Exchange
 from gradhub.ps.client.link import MUTATING, Link, Request, dealer
+from gradhub.ps.client.link_arenas import LinkArenas
 from gradhub.ps.client.pending import Pending
 from gradhub.ps.client.shared_tensors import SharedTensors
-from gradhub.ps.wire.protocol import Message
 
 log = logging.getLogger(__name__)
 
 _TICK = 0.05  # seconds between checks of deadlines, retries and heartbeats
 
 
-class Channel(Exchange):
+class Channel:
     """Requests to a list of servers, sent and answered by whichever thread holds
     the sockets' lock (see the module's docstring)."""
 
@@ -71,20 +73,35 @@ class Channel(Exchange):
         arena_min_bytes: int = 0,
         shared: SharedTensors | None = None,
     ) -> None:
-        super().__init__(
+        self.timeout = timeout
+        self.arena_min_bytes = arena_min_bytes
+        session = secrets.randbits(63) | 1  # this client's numbers, with worker_id and seq
+        self._poll = select.poll()  # the I/O thread's
+        self._arenas = LinkArenas(
+            self._poll,
+            self._wake,
+            enabled=arena,
+            min_bytes=arena_min_bytes,
+            shared=shared,
             worker_id=worker_id,
+            session=session,
             secret=secret,
             timeout=timeout,
-            connect_timeout=connect_timeout,
+        )
+        self._exchange = Exchange(
+            worker_id=worker_id,
+            session=session,
+            secret=secret,
+            timeout=timeout,
             heartbeat_interval=heartbeat_interval,
             retry_interval=retry_interval,
             max_inflight_bytes=max_inflight_bytes,
+            start_arena=self._arenas.start,
+            drop_arena=self._arenas.drop,
         )
-        self.arena = arena
-        self.arena_min_bytes = arena_min_bytes
-        self.shared = shared  # the user's tensors in this client's arena
-        self._arena_fds: dict[int, Link] = {}
-        self._poll = select.poll()  # the I/O thread's
+        self._deadlines = Deadlines(self._exchange, connect_timeout=connect_timeout)
+        self._servers = self._exchange.servers  # the links, one per server
+        self._lock = self._exchange.lock  # also this channel's _stopping and _drivers
         self._local = threading.local()  # each waiting thread's own poll
         self._io = threading.RLock()  # the sockets, the links and their requests
         self._pump_owner = 0  # the thread inside _pump (a callback re-entering does nothing)
@@ -111,6 +128,11 @@ class Channel(Exchange):
         self._thread.start()
 
     @property
+    def dropped_replies(self) -> int:
+        """Replies dropped because they failed to decode or authenticate."""
+        return self._exchange.dropped_replies
+
+    @property
     def addresses(self) -> list[str]:
         return [s.address for s in self._servers]
 
@@ -135,28 +157,28 @@ class Channel(Exchange):
                 future.set_exception(failure)
                 return future
             req.order = next(self._orders)
-            req.request_id = next(self._ids)
+            req.request_id = next(self._exchange.ids)
             req.submitted = time.monotonic()
             req.deadline = req.submitted + self.timeout
             if req.op in MUTATING:
                 srv = self._servers[req.server]
                 req.seq = srv.next_seq
                 srv.next_seq += 1
-            alone = not self._submitted  # nothing submitted before it waits to be sent
+            alone = not self._exchange.submitted  # nothing submitted before it waits to be sent
             if not alone:
-                self._submitted.append(req)
+                self._exchange.submitted.append(req)
         if not self._io.acquire(blocking=False):
             if alone:
                 with self._lock:
-                    self._submitted.append(req)
+                    self._exchange.submitted.append(req)
             self._wake()
             return future
         try:
             sent = alone and self._send_alone(req)
             if alone and not sent:
                 with self._lock:
-                    self._submitted.append(req)
-            if not sent or self._submitted:  # (submitted by a callback of a reply handled)
+                    self._exchange.submitted.append(req)
+            if not sent or self._exchange.submitted:  # (submitted by a callback of a reply handled)
                 self._pump()
         finally:
             self._io.release()
@@ -170,7 +192,11 @@ class Channel(Exchange):
             return False  # re-entered from a callback, or closing: the pump decides
         now = time.monotonic()
         s = self._servers[req.server]
-        if now >= self._next_check or now >= s.next_heartbeat or not self._send_now(s, req, now):
+        if (
+            now >= self._next_check
+            or now >= s.next_heartbeat
+            or not self._exchange.send_now(s, req, now)
+        ):
             return False
         # As _pump ends: a receive that finds nothing (the zmq.FD contract, see _receive).
         self._receive_as_pump(req.server)
@@ -179,7 +205,7 @@ class Channel(Exchange):
     def _receive_as_pump(self, i: int, until: Pending | None = None, *, ask: bool = True) -> None:
         self._pump_owner = threading.get_ident()  # a callback that submits leaves it queued
         try:
-            self._receive(i, until, ask=ask)
+            self._exchange.receive(i, until, ask=ask)
         finally:
             self._pump_owner = 0
 
@@ -254,13 +280,18 @@ class Channel(Exchange):
     def _answers(self, until: Pending, woke: list[int]) -> None:
         """After a poll, with ``_io``: receive from the servers that woke this thread,
         if nothing else is due; else :meth:`_pump`."""
-        if not woke or self._submitted or self._pump_owner or time.monotonic() >= self._next_check:
+        if (
+            not woke
+            or self._exchange.submitted
+            or self._pump_owner
+            or time.monotonic() >= self._next_check
+        ):
             self._pump(until, woke)
             return
         for i in woke:
             self._receive_as_pump(i, until, ask=False)
         for s in self._servers:
-            if s.queue or self._submitted:
+            if s.queue or self._exchange.submitted:
                 self._pump(until)  # submitted by a callback, or a reply gave credit back
                 return
 
@@ -285,7 +316,9 @@ class Channel(Exchange):
 
     def busy(self) -> bool:
         """Whether requests are queued or in flight."""
-        if self._submitted:  # read without the lock: one who appends after wakes the I/O thread
+        if (
+            self._exchange.submitted
+        ):  # read without the lock: one who appends after wakes the I/O thread
             return True
         for s in self._servers:  # noqa: SIM110 (a loop: cheaper than any() over a generator)
             if s.inflight or s.queue:
@@ -339,26 +372,26 @@ class Channel(Exchange):
         try:
             while True:
                 with self._lock:
-                    new, self._submitted = self._submitted, []
+                    new, self._exchange.submitted = self._exchange.submitted, []
                 now = time.monotonic()
                 for req in new:
                     s = self._servers[req.server]
-                    if len(new) > 1 or not self._send_now(s, req, now):
+                    if len(new) > 1 or not self._exchange.send_now(s, req, now):
                         s.queue.push(req.key, req, req.priority)
                 for i, s in enumerate(self._servers):
                     # Nothing queued, connected, no heartbeat due: _send_ready has nothing to do.
                     if s.queue or not s.incarnation or now >= s.next_heartbeat:
-                        self._send_ready(i, s, now)
+                        self._exchange.send_ready(i, s, now)
                 if now >= self._next_check:
                     self._next_check = now + _TICK
-                    self._check_timers(now)
+                    self._deadlines.check_timers(now)
                 received = 0
                 for i in range(len(self._servers)):
-                    received += self._receive(i, until, ask=i not in woke)
+                    received += self._exchange.receive(i, until, ask=i not in woke)
                     if until is not None and until.finished:
                         break
                 woke = ()
-                if self._submitted:
+                if self._exchange.submitted:
                     continue  # submitted meanwhile (by a callback or another thread)
                 if not received or not any(s.queue for s in self._servers):
                     return  # else replies gave credit back: send what waited for it
@@ -391,59 +424,27 @@ class Channel(Exchange):
                     if fd == self._wake_r:
                         with contextlib.suppress(BlockingIOError):
                             os.read(self._wake_r, 4096)
-                    elif fd in self._arena_fds:
+                    elif (link := self._arenas.link_of(fd)) is not None:
                         with self._io:
-                            self._arena_event(self._arena_fds[fd])
+                            self._arena_event(link)
         except Exception:
             log.exception("parameter-server client I/O thread failed")
             raise
         finally:
             with self._io:
-                self._fail_all(ClosedError("the RemoteParameterServer was closed"))
+                self._exchange.fail_all(ClosedError("the RemoteParameterServer was closed"))
             self._kick()
 
     def _kick(self) -> None:
         with contextlib.suppress(OSError):
             os.write(self._kick_w, b"x")
 
-    def _start_arena(self, s: Link, msg: Message) -> None:
-        """Connect the shared arena a hello reply offers, if this host is the server's."""
-        self._drop_arena(s)
-        if not self.arena:
-            return
-        arena = ClientArena.connect(
-            msg,
-            s.address,
-            session=self._session,
-            worker_id=self.worker_id,
-            secret=self._secret,
-            timeout=self.timeout,
-            min_bytes=self.arena_min_bytes,
-            shared=self.shared,
-        )
-        if arena is None:
-            return
-        s.arena = arena
-        self._arena_fds[arena.fileno()] = s
-        self._poll.register(arena.fileno(), select.POLLIN)
-        self._wake()  # the I/O thread watches it from its next poll
-
-    def _drop_arena(self, s: Link) -> None:
-        if s.arena is None:
-            return
-        fd = s.arena.fileno()
-        self._arena_fds.pop(fd, None)
-        with contextlib.suppress(KeyError):
-            self._poll.unregister(fd)
-        s.arena.close()
-        s.arena = None
-
     def _arena_event(self, s: Link) -> None:
         arena = s.arena
         if arena is None or arena.alive():
-            self._confirmed(s)  # cancels the server confirmed
+            self._deadlines.confirmed(s)  # cancels the server confirmed
             return
-        self._drop_arena(s)
+        self._arenas.drop(s)
         failure = arena.ended(s.address, self.timeout)
         if failure is not None:
-            self._fail_server(s, failure)
+            self._exchange.fail_server(s, failure)

@@ -1,5 +1,8 @@
-"""A client's requests against the clock: the part of
-:class:`~gradhub.ps.client.exchange.Exchange` that retries, cancels and gives up.
+"""A client's requests against the clock: what retries, cancels and gives up.
+
+:class:`Deadlines` checks the requests of a channel's
+:class:`~gradhub.ps.client.exchange.Exchange` (the channel calls
+:meth:`~Deadlines.check_timers` every tick) and sends and releases through it.
 
 - Every request has a deadline (``timeout``); past it its future fails with
   :class:`~gradhub.errors.ServerTimeoutError` naming the server and key.
@@ -17,30 +20,25 @@
 from __future__ import annotations
 
 from gradhub.errors import ServerTimeoutError, ServerUnavailableError
+from gradhub.ps.client.exchange import Exchange
 from gradhub.ps.client.link import MUTATING, Link, Request
 
 __all__ = ["Deadlines"]
 
 
 class Deadlines:
-    """The deadline checks of the client's exchange with its servers; the subclass
-    (:class:`~gradhub.ps.client.exchange.Exchange`) sets the attributes and sends."""
+    """The deadline checks of a client's exchange with its servers (called, as the
+    exchange is, with the sockets' lock held)."""
 
-    timeout: float
-    connect_timeout: float
-    retry_interval: float
-    _servers: list[Link]
+    def __init__(self, exchange: Exchange, *, connect_timeout: float) -> None:
+        self._exchange = exchange
+        self._servers = exchange.servers
+        self.timeout = exchange.timeout
+        self.retry_interval = exchange.retry_interval
+        self.connect_timeout = connect_timeout
 
-    def _send(self, s: Link, req: Request) -> None:
-        raise NotImplementedError
-
-    def _send_hello(self, i: int, s: Link, now: float) -> None:
-        raise NotImplementedError
-
-    def _release(self, s: Link, req: Request, *, answered: bool = True) -> None:
-        raise NotImplementedError
-
-    def _check_timers(self, now: float) -> None:
+    def check_timers(self, now: float) -> None:
+        """Fail, retry or cancel what is due at ``now``."""
         for i, s in enumerate(self._servers):
             if s.failure is not None:
                 continue
@@ -52,7 +50,7 @@ class Deadlines:
                             ServerUnavailableError(s.address, self.connect_timeout)
                         )
             if s.hello is not None and now >= s.hello.next_retry:
-                self._send_hello(i, s, now)
+                self._exchange.send_hello(i, s, now)
             for rid, req in list(s.inflight.items()):
                 if now >= req.deadline:
                     if self._cancel(s, req, now):
@@ -63,14 +61,14 @@ class Deadlines:
                     self._expire(s, req)
                 elif now >= req.next_retry and s.incarnation:
                     req.next_retry = now + self.retry_interval
-                    self._send(s, req)
+                    self._exchange.send(s, req)
             for req in s.queue.remove_if(lambda r: now >= r.deadline):
                 self._expire(s, req)
 
     def _cancel(self, s: Link, req: Request, now: float) -> bool:
         """At its deadline, a pull that named a user's tensor: ask the server not to
         write into it, and wait up to another ``timeout`` for it to confirm
-        (:meth:`_confirmed`); whether it waits."""
+        (:meth:`confirmed`); whether it waits."""
         if not req.named_user or req.cancelling or s.arena is None:
             return False
         try:
@@ -81,7 +79,7 @@ class Deadlines:
         req.deadline, req.next_retry = now + self.timeout, float("inf")
         return True
 
-    def _confirmed(self, s: Link) -> None:
+    def confirmed(self, s: Link) -> None:
         """Fail the pulls whose cancel the server confirmed (see :meth:`_cancel`)."""
         while s.arena is not None and s.arena.confirmed:
             req = s.inflight.pop(s.arena.confirmed.pop(), None)
@@ -90,7 +88,7 @@ class Deadlines:
                 self._expire(s, req)
 
     def _expire(self, s: Link, req: Request) -> None:
-        self._release(s, req, answered=False)
+        self._exchange.release(s, req, answered=False)
         if req.future is not None and not req.future.done():
             op = req.op.name.lower()
             why = ""

@@ -1,16 +1,17 @@
 """The client's side of the request protocol with each parameter server, without threads.
 
 :class:`Exchange` decides what is sent to each server and when, and what each
-answer does; :class:`~gradhub.ps.client.channel.Channel` adds the threads that drive
-the sockets, and calls it while holding their lock.
+answer does. A :class:`~gradhub.ps.client.channel.Channel` owns one: its
+threads drive the sockets and call the exchange while holding their lock.
 
 - **Order and credit.** Per server, requests wait in
   :class:`~gradhub.ps.lanes.PriorityLanes` (one lane per key: higher priority
   first, FIFO among equals, one key's requests never reordered) and are sent
   while the pushes in flight stay under ``max_inflight_bytes``, so that a
   high-priority push can pass a queue of low-priority ones (BytePS's credit).
-- **Deadlines.** Every request has one (``timeout``):
-  :class:`~gradhub.ps.client.deadlines.Deadlines`, the base class.
+- **Deadlines.** Every request has one (``timeout``), checked by the
+  channel's :class:`~gradhub.ps.client.deadlines.Deadlines`, which retries and
+  gives up through the exchange.
 - **Exactly once.** Pushes and inits carry ``(worker_id, session, seq)``; a
   request not answered within ``retry_interval`` is sent again with the same
   numbers, and the server applies it once.
@@ -32,15 +33,14 @@ from __future__ import annotations
 
 import itertools
 import logging
-import secrets
 import threading
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import zmq
 
 from gradhub.errors import GradhubError, ProtocolError
-from gradhub.ps.client.deadlines import Deadlines
 from gradhub.ps.client.link import MUTATING, Link, Request, closed_error, refused_error
 from gradhub.ps.wire import frames as frame_io
 from gradhub.ps.wire import protocol, status
@@ -62,50 +62,48 @@ class _Awaited(Protocol):
     finished: bool  # the channel's future (Pending): done, read without its lock
 
 
-class Exchange(Deadlines):
-    """Requests to a list of servers (``_servers``, one :class:`Link` each, added by
-    the subclass): their sends, retries, replies, deadlines and failures.
+class Exchange:
+    """Requests to a list of servers (``servers``, one :class:`Link` each, added by
+    the channel): their sends, replies and failures.
 
-    The subclass holds the sockets' lock while it calls these methods, and
-    provides the shared arena's set-up (:meth:`_start_arena`, :meth:`_drop_arena`),
-    whose connection its I/O thread watches.
+    The channel holds the sockets' lock while it calls these methods. It hands
+    over the shared arena's set-up, which its I/O thread watches:
+    ``start_arena(link, hello_reply)`` connects the arena a hello reply offers,
+    ``drop_arena(link)`` stops using one (payloads take the ZeroMQ path).
+    ``submitted`` holds the requests callers submitted that are not in a lane
+    yet; it and each link's ``failure`` are guarded by ``lock``.
     """
 
     def __init__(
         self,
         *,
         worker_id: int,
+        session: int,
         secret: bytes | None,
         timeout: float,
-        connect_timeout: float,
         heartbeat_interval: float,
         retry_interval: float,
         max_inflight_bytes: int,
+        start_arena: Callable[[Link, Message], None],
+        drop_arena: Callable[[Link], None],
     ) -> None:
         self.worker_id = worker_id
         self.timeout = timeout
-        self.connect_timeout = connect_timeout
         self.heartbeat_interval = heartbeat_interval
         self.retry_interval = retry_interval
         self.max_inflight_bytes = max_inflight_bytes
         self.dropped_replies = 0
         self._secret = secret
-        self._session = secrets.randbits(63) | 1
-        self._lock = threading.Lock()
-        self._submitted: list[Request] = []
-        self._ids = itertools.count(1)
-        self._servers: list[Link] = []
+        self.session = session
+        self.lock = threading.Lock()
+        self.submitted: list[Request] = []
+        self.ids = itertools.count(1)
+        self.servers: list[Link] = []
         self._aux = int(timeout * 1000)  # every request's aux: how long the server may hold it
+        self._start_arena = start_arena
+        self._drop_arena = drop_arena
 
-    def _start_arena(self, s: Link, msg: Message) -> None:
-        """Connect the shared arena a hello reply offers, if this host is the server's."""
-        raise NotImplementedError
-
-    def _drop_arena(self, s: Link) -> None:
-        """Stop using ``s``'s shared arena (payloads take the ZeroMQ path)."""
-        raise NotImplementedError
-
-    def _send_ready(self, i: int, s: Link, now: float) -> None:
+    def send_ready(self, i: int, s: Link, now: float) -> None:
         if s.failure is not None:
             for req in s.queue.clear():
                 if req.future is not None and not req.future.done():
@@ -113,11 +111,11 @@ class Exchange(Deadlines):
             return
         if s.incarnation == 0:
             if s.hello is None:
-                self._send_hello(i, s, now)
+                self.send_hello(i, s, now)
             return
         if now >= s.next_heartbeat:
             s.next_heartbeat = now + self.heartbeat_interval
-            self._send(s, Request(Op.HEARTBEAT, i, request_id=next(self._ids)))
+            self.send(s, Request(Op.HEARTBEAT, i, request_id=next(self.ids)))
         while (top := s.queue.peek()) is not None:
             req = top[1]
             heavy = req.op in MUTATING
@@ -132,9 +130,9 @@ class Exchange(Deadlines):
                 s.inflight_bytes += req.nbytes
             s.inflight[req.request_id] = req
             req.next_retry = now + self.retry_interval
-            self._send(s, req)
+            self.send(s, req)
 
-    def _send_now(self, s: Link, req: Request, now: float) -> bool:
+    def send_now(self, s: Link, req: Request, now: float) -> bool:
         """Send ``req`` at once if nothing waits before it on ``s`` (no lane to pass
         through) and its credit allows; whether it was sent."""
         if s.queue or s.failure is not None or s.incarnation == 0:
@@ -145,15 +143,15 @@ class Exchange(Deadlines):
             s.inflight_bytes += req.nbytes
         s.inflight[req.request_id] = req
         req.next_retry = now + self.retry_interval
-        self._send(s, req)
+        self.send(s, req)
         return True
 
-    def _send_hello(self, i: int, s: Link, now: float) -> None:
+    def send_hello(self, i: int, s: Link, now: float) -> None:
         retry = min(self.retry_interval, self.heartbeat_interval)
-        s.hello = Request(Op.HELLO, i, request_id=next(self._ids), next_retry=now + retry)
-        self._send(s, s.hello)
+        s.hello = Request(Op.HELLO, i, request_id=next(self.ids), next_retry=now + retry)
+        self.send(s, s.hello)
 
-    def _send(self, s: Link, req: Request) -> None:
+    def send(self, s: Link, req: Request) -> None:
         req.sends += 1
         payload, meta, locator = req.payload, req.meta, None
         if s.arena is not None and req.wire is None:  # (a wire form: below the arena's size)
@@ -171,7 +169,7 @@ class Exchange(Deadlines):
                 req.priority,
                 self.worker_id,
                 req.request_id,
-                self._session,
+                self.session,
                 req.seq,
                 s.incarnation,
                 self._aux,
@@ -189,7 +187,7 @@ class Exchange(Deadlines):
             op=req.op,
             request_id=req.request_id,
             worker_id=self.worker_id,
-            session=self._session,
+            session=self.session,
             seq=req.seq,
             incarnation=s.incarnation,
             priority=req.priority,
@@ -205,14 +203,14 @@ class Exchange(Deadlines):
         except zmq.ZMQError as exc:
             log.debug("send to %s failed (%s); will retry", s.address, exc)
 
-    def _release(self, s: Link, req: Request, *, answered: bool = True) -> None:
+    def release(self, s: Link, req: Request, *, answered: bool = True) -> None:
         """Give back ``req``'s arena segment once the server is done with it (reused
         only after an answer: a request given up may still be answered into it)."""
         if s.arena is not None:
             s.arena.release(req, answered=answered)
         req.slot = None
 
-    def _receive(self, i: int, until: _Awaited | None = None, *, ask: bool = True) -> int:
+    def receive(self, i: int, until: _Awaited | None = None, *, ask: bool = True) -> int:
         """Handle the messages waiting from server ``i`` (at most 1000); how many.
 
         Ends on a receive that found nothing (``s.drained``), as ``zmq.FD``
@@ -220,7 +218,7 @@ class Exchange(Deadlines):
         ``until`` is done: then it returns at once, the socket not drained (its
         caller drains it if anyone else may sleep on it). ``ask=False``: the
         descriptor just said the socket is readable; try a receive at once."""
-        s = self._servers[i]
+        s = self.servers[i]
         for n in range(1000):
             # Asking first spares the zmq.Again exception, the dearest part of an empty
             # receive; zmq_poll asks for ZMQ_EVENTS for half the cost of getsockopt.
@@ -252,7 +250,7 @@ class Exchange(Deadlines):
             except ProtocolError as exc:
                 rid = protocol.refusal_request_id(frames)
                 if rid is not None and s.hello is not None and rid == s.hello.request_id:
-                    self._fail_server(s, refused_error(s.address, self._secret is not None))
+                    self.fail_server(s, refused_error(s.address, self._secret is not None))
                     continue
                 self.dropped_replies += 1
                 log.warning("dropped a reply from %s: %s", s.address, exc)
@@ -262,15 +260,15 @@ class Exchange(Deadlines):
                 return n + 1
         return 1000
 
-    def _fail_server(self, s: Link, exc: GradhubError) -> None:
+    def fail_server(self, s: Link, exc: GradhubError) -> None:
         """Fail everything queued, in flight and kept for ``s``, and later requests to it."""
-        with self._lock:
+        with self.lock:
             s.failure = exc
-            mine = [r for r in self._submitted if self._servers[r.server] is s]
-            self._submitted = [r for r in self._submitted if self._servers[r.server] is not s]
+            mine = [r for r in self.submitted if self.servers[r.server] is s]
+            self.submitted = [r for r in self.submitted if self.servers[r.server] is not s]
         mine += [*s.queue.clear(), *s.inflight.values()]
         for r in mine:
-            self._release(s, r, answered=False)
+            self.release(s, r, answered=False)
         s.inflight.clear()
         s.inflight_bytes = 0
         s.retained.clear()
@@ -284,7 +282,7 @@ class Exchange(Deadlines):
         if h.op == Op.HELLO:
             if s.hello is not None and h.request_id == s.hello.request_id:
                 if h.status == Status.REFUSED:
-                    self._fail_server(s, refused_error(s.address, self._secret is not None))
+                    self.fail_server(s, refused_error(s.address, self._secret is not None))
                 else:
                     self._hello_done(s, msg)
             return
@@ -308,7 +306,7 @@ class Exchange(Deadlines):
         try:
             self._complete(s, req, msg)
         finally:
-            self._release(s, req)
+            self.release(s, req)
 
     def _acked(self, s: Link, op: int, code: int, rid: int, incarnation: int, aux: int) -> bool:
         """Handle a reply read by :func:`~gradhub.ps.wire.protocol.small.read_ack` as
@@ -330,7 +328,7 @@ class Exchange(Deadlines):
             s.prune(aux)
         if future is not None and not future.done():
             future.set_result(None)
-        self._release(s, req)
+        self.release(s, req)
         return True
 
     def _complete(self, s: Link, req: Request, msg: Message) -> None:
@@ -382,7 +380,7 @@ class Exchange(Deadlines):
                 s.inflight[req.request_id] = req
                 if req.op in MUTATING:
                     s.inflight_bytes += req.nbytes
-            self._send(s, req)
+            self.send(s, req)
         s.retained.clear()
 
     def _goodbye(self, s: Link, *, restartable: bool) -> None:
@@ -395,17 +393,17 @@ class Exchange(Deadlines):
             )
             s.incarnation, s.hello = 0, None  # say hello again once it is back
             return
-        self._fail_server(s, closed_error(s.address))
+        self.fail_server(s, closed_error(s.address))
 
     def _restart_seen(self, s: Link) -> None:
         if s.hello is None:
             log.info("parameter server %s has a new incarnation; reconnecting", s.address)
             s.incarnation = 0
 
-    def _fail_all(self, exc: GradhubError) -> None:
-        with self._lock:
-            reqs, self._submitted = self._submitted, []
-        for s in self._servers:
+    def fail_all(self, exc: GradhubError) -> None:
+        with self.lock:
+            reqs, self.submitted = self.submitted, []
+        for s in self.servers:
             reqs += list(s.inflight.values())
             reqs += s.queue.clear()
             s.inflight.clear()

@@ -1,5 +1,6 @@
-"""The parameter-server process: a :class:`~gradhub.ps.server.service.Service` behind a
-ROUTER socket.
+"""The parameter-server process: a ROUTER socket in front of the
+:class:`~gradhub.ps.server.service.Service` it owns (the service answers
+through the server's :meth:`~Server._reply`).
 
 One thread runs the loop: it drains every message waiting on the socket,
 queues data operations (init, push, pull) by priority, runs them, answers
@@ -58,7 +59,7 @@ _DATA_OPS = (Op.INIT, Op.PUSH, Op.PULL, Op.STATE, Op.SET_STATE)
 _POLL_MS = 100
 
 
-class Server(Service):
+class Server:
     """A parameter server bound to ``config.bind``; :meth:`serve` runs its loop.
 
     The socket is bound in the constructor, so :attr:`address` is known before
@@ -66,8 +67,14 @@ class Server(Service):
     """
 
     def __init__(self, config: ServerConfig):
-        super().__init__(config)
+        self.config = config
         self.incarnation = secrets.randbits(63) | 1
+        self._arenas: ServerArenas | None = None
+        self.service = Service(
+            config, incarnation=self.incarnation, reply=self._reply, copies_out=self._copies_out
+        )
+        self.counters = self.service.counters
+        self.persist = self.service.persist
         self._peers: set[bytes] = set()  # connections to say goodbye to
         self._greeted: set[tuple[int, int]] = set()  # (worker, session) that said hello
         self.rejects = Rejects(self.counters)
@@ -76,7 +83,7 @@ class Server(Service):
         self._flushes: list[Message] = []
         self._held: list[list[Any]] = []  # replies waiting for the log's sync
         self.counters.update(arena_payloads=0, arena_replies=0, arena_shared_replies=0)
-        self._restore()
+        self.service.restore()
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.linger = 0
@@ -90,8 +97,8 @@ class Server(Service):
             self._ctx.term()
             raise BindError(f"cannot bind parameter server to {config.bind}: {exc}") from exc
         self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.service.address = self.address
         self._poll_items: list[tuple[Any, int]] = [(self._sock, zmq.POLLIN)]
-        self._arenas: ServerArenas | None = None
         self._hello_info = b""
         if config.arena and arena.enabled():
             try:
@@ -109,7 +116,7 @@ class Server(Service):
             config.mode,
             "per init (default " + describe(default_optimizer()) + ")"
             if config.optimizer is None
-            else describe(self.store.default_spec),
+            else describe(self.service.store.default_spec),
             config.workers,
             " (signed)" if config.secret else "",
         )
@@ -136,16 +143,16 @@ class Server(Service):
                     if self._arenas is not None and len(events) > readable:  # an arena's too
                         self._arenas.ready(events)
                     self._drain(ask=not readable)
-                    self._run_queue()
+                    self.service.run_queue()
                     self._commit()
-                self._expire_waits()
+                self.service.expire_waits()
                 now = time.monotonic()
                 if now >= next_hb:
                     next_hb = now + hb_every
-                    self._expire()
+                    self.service.expire_workers()
                 if now >= next_ckpt or self.persist.log_full:
                     next_ckpt = now + self.config.checkpoint_every
-                    self.checkpoint()
+                    self.service.checkpoint()
         finally:
             self.close()
 
@@ -155,7 +162,7 @@ class Server(Service):
             return
         self._closed = True
         try:
-            self.checkpoint()
+            self.service.checkpoint()
             self._goodbye()
         finally:
             if self._arenas is not None:
@@ -180,12 +187,12 @@ class Server(Service):
         if not self._flushes and not self._held and not self.persist.durable:
             return
         if self._flushes and not self.persist.durable:
-            self.checkpoint()
+            self.service.checkpoint()
         if self.persist.commit():
             self.counters["log_syncs"] += 1
         flushes, self._flushes = self._flushes, []
         for msg in flushes:
-            self._reply(msg, aux=self._durable_low(msg.header.worker_id, msg.header.session))
+            self._reply(msg, aux=self.service.durable_low(msg.header.worker_id, msg.header.session))
         held, self._held = self._held, []
         for frames in held:
             self._send(frames)
@@ -235,7 +242,7 @@ class Server(Service):
         h = msg.header
         if h.flags & protocol.FLAG_ARENA:
             self.counters["arena_payloads"] += 1
-        self.consistency.seen(h.worker_id)  # liveness; membership comes with a valid push
+        self.service.seen(h.worker_id)  # liveness; membership comes with a valid push
         if h.op in _DATA_OPS or h.op == Op.FLUSH:
             if h.incarnation != self.incarnation:
                 self.counters["stale_incarnation"] += 1
@@ -243,14 +250,16 @@ class Server(Service):
             elif h.op == Op.FLUSH:
                 self._flushes.append(msg)  # answered after the queued requests ran
             else:
-                self._enqueue(msg)
+                self.service.enqueue(msg)
         elif h.op == Op.HELLO:
             self._greeted.add((h.worker_id, h.session))
-            self._reply(msg, aux=self.ledger.low(h.worker_id, h.session), payload=self._hello_info)
+            self._reply(
+                msg, aux=self.service.applied_low(h.worker_id, h.session), payload=self._hello_info
+            )
         elif h.op == Op.HEARTBEAT:
             self._reply(msg)
         elif h.op == Op.STATS:
-            self._reply(msg, payload=json.dumps(self.stats()).encode())
+            self._reply(msg, payload=json.dumps(self.service.stats()).encode())
         elif h.op == Op.SHUTDOWN:
             self._shutdown(msg)
 
@@ -287,8 +296,7 @@ class Server(Service):
         aux: int = 0,
         meta: bytes = b"",
     ) -> None:
-        if self._replaying:
-            return
+        """Answer ``msg`` (the service's ``reply``)."""
         if payload is None and not meta:  # an acknowledgement: one frame, packed at once
             h = msg.header
             frame = small.pack(

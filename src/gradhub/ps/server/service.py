@@ -1,7 +1,8 @@
 """What a parameter server does with each request, without the I/O:
 :class:`Service` holds the store, the consistency accounting, the exactly-once
-ledger, the requests that wait, the counters and the persistence, and
-:class:`~gradhub.ps.server.server.Server` moves the messages.
+ledger, the requests that wait, the counters and the persistence. A
+:class:`~gradhub.ps.server.server.Server` owns one and moves the messages: it
+hands the service each request and a ``reply`` callable that answers one.
 
 Decisions:
 - Queue order: :class:`~gradhub.ps.lanes.PriorityLanes` with one lane per
@@ -45,7 +46,8 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
@@ -100,32 +102,10 @@ def make_store(config: ServerConfig) -> ParameterStore:
     return ParameterStore(config.optimizer, fixed=True)
 
 
-class Service:
-    """The request semantics of one parameter server; :meth:`_reply` is the I/O's."""
+class Reply(Protocol):
+    """How a service's answer leaves: the server's reply to ``msg``."""
 
-    address = ""
-
-    def __init__(self, config: ServerConfig) -> None:
-        self.config = config
-        self.store = make_store(config)
-        self.consistency = Consistency(
-            config.mode, workers=config.workers, max_staleness=config.max_staleness
-        )
-        self.ledger = Ledger()
-        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
-        self.pushes_by_worker: dict[int, int] = {}
-        self.incarnation = 0
-        self._durable: dict[int, tuple[int, int]] = {}
-        self._snapshots: dict[str, torch.Tensor] = {}
-        self._queue: PriorityLanes[tuple[bytes, str], Message] = PriorityLanes()
-        self._next: Message | None = None  # a request queued alone (see _enqueue)
-        self._rounds = Waits()  # pulls waiting for a sync round or for slow workers (ssp)
-        self._inits = Waits()  # pushes and pulls of keys not initialised yet
-        self._dirty = False
-        self._replaying = False
-        self.persist = Persistence(config)
-
-    def _reply(
+    def __call__(
         self,
         msg: Message,
         status: Status = Status.OK,
@@ -133,8 +113,58 @@ class Service:
         *,
         aux: int = 0,
         meta: bytes = b"",
+    ) -> None: ...
+
+
+def _no_reply(
+    msg: Message,
+    status: Status = Status.OK,
+    payload: torch.Tensor | bytes | None = None,
+    *,
+    aux: int = 0,
+    meta: bytes = b"",
+) -> None:
+    """The replies to requests replayed from the log: answered before, by the
+    process that logged them."""
+
+
+class Service:
+    """The request semantics of one parameter server.
+
+    ``reply`` answers a request (the server's I/O); ``copies_out(msg)`` says
+    whether the reply to a pull copies its payload before ``reply`` returns
+    (then the pull needs no snapshot of the value). ``incarnation`` and
+    :attr:`address` (set once the server is bound) are reported by :meth:`stats`.
+    """
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        *,
+        incarnation: int,
+        reply: Reply,
+        copies_out: Callable[[Message], bool],
     ) -> None:
-        raise NotImplementedError
+        self.config = config
+        self.address = ""
+        self.store = make_store(config)
+        self.consistency = Consistency(
+            config.mode, workers=config.workers, max_staleness=config.max_staleness
+        )
+        self.ledger = Ledger()
+        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self.pushes_by_worker: dict[int, int] = {}
+        self.incarnation = incarnation
+        self._durable: dict[int, tuple[int, int]] = {}
+        self._snapshots: dict[str, torch.Tensor] = {}
+        self._queue: PriorityLanes[tuple[bytes, str], Message] = PriorityLanes()
+        self._next: Message | None = None  # a request queued alone (see _enqueue)
+        self._rounds = Waits()  # pulls waiting for a sync round or for slow workers (ssp)
+        self._inits = Waits()  # pushes and pulls of keys not initialised yet
+        self._dirty = False
+        self._reply = reply
+        self._copies_out = copies_out
+        self.persist = Persistence(config)
 
     def checkpoint(self) -> None:
         """Write values, optimizer state, accounting and applied sequence numbers."""
@@ -153,7 +183,8 @@ class Service:
         self.counters["checkpoints"] += 1
         log.debug("checkpoint written to %s", self.persist.path)
 
-    def _restore(self) -> None:
+    def restore(self) -> None:
+        """Load the checkpoint, then replay the requests logged after it."""
         state, logged = self.persist.start()
         if state is not None:
             self.store.load_state_dict(state["store"])
@@ -162,7 +193,7 @@ class Service:
             self._durable = self.ledger.lows()
             log.info("resumed %d key(s) from checkpoint %s", len(self.store), self.persist.path)
         if logged:
-            self._replaying = True
+            reply, self._reply = self._reply, _no_reply
             try:
                 for msg in logged:
                     msg.routing = [b""]
@@ -172,11 +203,22 @@ class Service:
                     else:  # a request that was refused
                         self.ledger.mark(h.worker_id, h.session, h.seq, refused=True)
             finally:
-                self._replaying = False
+                self._reply = reply
             log.info("replayed %d logged request(s)", len(logged))
             self.checkpoint()
 
-    def _durable_low(self, worker: int, session: int) -> int:
+    def seen(self, worker: int) -> None:
+        """A message from ``worker`` arrived: it is alive (a member of the sync/ssp
+        accounting only from its first valid push)."""
+        self.consistency.seen(worker)
+
+    def applied_low(self, worker: int, session: int) -> int:
+        """The sequence number up to which ``worker``'s ``session`` is applied (a
+        hello reply's ``aux``)."""
+        return self.ledger.low(worker, session)
+
+    def durable_low(self, worker: int, session: int) -> int:
+        """The sequence number up to which ``worker``'s ``session`` is on disk."""
         if not self.persist.enabled or self.persist.durable:
             return self.ledger.low(worker, session)
         sess, low = self._durable.get(worker, (0, 0))
@@ -194,7 +236,7 @@ class Service:
             **self.consistency.summary(),
         }
 
-    def _enqueue(self, msg: Message) -> None:
+    def enqueue(self, msg: Message) -> None:
         """Queue a data request; the first one into an empty queue waits aside in
         ``_next`` (the queue's order is kept: it is the first one out)."""
         if self._next is None and not self._queue:
@@ -205,7 +247,8 @@ class Service:
             self._queue.push((first.routing[0], first.key), first, first.header.priority)
         self._queue.push((msg.routing[0], msg.key), msg, msg.header.priority)
 
-    def _run_queue(self) -> None:
+    def run_queue(self) -> None:
+        """Run the queued data requests, in their order."""
         if self._next is not None:
             first, self._next = self._next, None
             self._execute(first)
@@ -259,13 +302,13 @@ class Service:
             self.counters["init"] += 1
             for waiting in self._inits.release(msg.key):
                 self._queue.push((waiting.routing[0], msg.key), waiting, waiting.header.priority)
-        self._reply(msg, aux=self._durable_low(h.worker_id, h.session))
+        self._reply(msg, aux=self.durable_low(h.worker_id, h.session))
 
     def _push(self, msg: Message) -> None:
         h = msg.header
         if self.ledger.applied(h.worker_id, h.session, h.seq):
             self.counters["push_duplicate"] += 1
-            self._reply(msg, aux=self._durable_low(h.worker_id, h.session))
+            self._reply(msg, aux=self.durable_low(h.worker_id, h.session))
             return
         if msg.key not in self.store:
             self._hold_for_init(msg)
@@ -313,7 +356,7 @@ class Service:
         else:
             self.counters["push_applied"] += 1
             self.pushes_by_worker[h.worker_id] = self.pushes_by_worker.get(h.worker_id, 0) + 1
-        self._reply(msg, aux=self._durable_low(h.worker_id, h.session))
+        self._reply(msg, aux=self.durable_low(h.worker_id, h.session))
 
     def _state(self, msg: Message) -> None:
         """Answer with the key's optimizer state (after the pushes queued before it)."""
@@ -329,7 +372,7 @@ class Service:
             self.persist.log(msg)
             self.ledger.mark(h.worker_id, h.session, h.seq)
             self._dirty = True
-        self._reply(msg, aux=self._durable_low(h.worker_id, h.session))
+        self._reply(msg, aux=self.durable_low(h.worker_id, h.session))
 
     def _apply(self, key: str, grad: torch.Tensor) -> None:
         self.store.apply(key, grad)
@@ -343,11 +386,6 @@ class Service:
             self._answer_pull(msg)
         elif self._rounds.hold(msg.key, msg, time.monotonic()):
             self.counters["pull_waited"] += 1
-
-    def _copies_out(self, msg: Message) -> bool:
-        """Whether the reply to ``msg`` copies its payload before ``_reply`` returns
-        (then it needs no snapshot)."""
-        return False
 
     def _answer_pull(self, msg: Message) -> None:
         if self._copies_out(msg):
@@ -369,7 +407,7 @@ class Service:
         for msg in ready:
             self._answer_pull(msg)
 
-    def _expire_waits(self) -> None:
+    def expire_waits(self) -> None:
         """Answer the held requests whose time is up, naming whom or what they wait for."""
         if not self._rounds and not self._inits:
             return
@@ -388,7 +426,7 @@ class Service:
                 ),
             )
 
-    def _expire(self) -> None:
+    def expire_workers(self) -> None:
         """Drop silent workers; the rounds and pulls that waited for them go on."""
         dropped = self.consistency.expire(self.config.heartbeat_timeout)
         if not dropped:
