@@ -147,22 +147,18 @@ class LaunchConfig:
             )
 
     def _check_survive(self) -> None:
-        if not 1 <= self.min_workers <= self.nproc:
+        workers = self.nproc * self.nnodes
+        if not 1 <= self.min_workers <= workers:
             raise ValueError(
-                f"--min-workers must be in [1, {self.nproc}] (the workers started), "
+                f"--min-workers must be in [1, {workers}] (the workers started), "
                 f"got {self.min_workers}"
             )
-        unsupported = [
-            ("--nnodes > 1", self.nnodes > 1),
-            ("--servers", self.servers > 0),
-        ]
-        named = [name for name, given in unsupported if given]
-        if named:
+        if self.servers > 0:
             raise ValueError(
-                f"--survive does not take {', '.join(named)} yet: it keeps the workers of "
-                "one node running over a dead one's loss, under the strategies that keep "
-                "their state in the workers (allreduce)\n- help: drop --survive for a job "
-                "that restarts from its checkpoints"
+                "--survive does not take --servers yet: it keeps the workers running over a "
+                "dead one's loss under the strategy that keeps its state in the workers "
+                "(allreduce)\n- help: drop --survive for a job that restarts from its "
+                "checkpoints"
             )
 
 
@@ -305,7 +301,15 @@ def launch(config: LaunchConfig) -> int:
             if config.survive:
                 from gradhub.cli.supervisor import supervise
 
-                return supervise(config, port, logs)
+                if place is None:
+                    return supervise(config, logs, "127.0.0.1", port, hosting=True)
+                if place.is_host != (config.node_rank == 0):
+                    raise ValueError(
+                        "--survive across nodes: node 0 keeps the membership, so "
+                        "--rdzv-endpoint must be node 0's address"
+                    )
+                addr, at = place.endpoint_addr, place.endpoint_port
+                return supervise(config, logs, addr, at, hosting=place.is_host)
             args = get_args_parser().parse_args(
                 [f"--log-dir={logs}", *torchrun_args(config, port, place)]
             )

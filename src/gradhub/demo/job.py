@@ -15,10 +15,8 @@ import json
 import logging
 import os
 import signal
-from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -45,14 +43,16 @@ def train(
 ) -> gradhub.FitResult:
     """Train the digits MLP with ``strategy`` in this process of the job, on
     ``device`` (``"cpu"`` or ``"cuda"``). ``kill_midway`` (a surviving job,
-    ``gradhub run --survive``): the last worker SIGKILLs itself right after
-    half the steps."""
+    ``gradhub run --survive``): the last worker SIGKILLs itself in the
+    middle of the backward of the step half way through."""
     x_train, y_train, x_test, y_test = load_digits_split(0.2, seed)
     model = make_mlp(seed)
     with gradhub.init(timeout=60) as runtime:
         model.to(runtime.local_device(device))
         # ps-* strategies use the servers' optimizer; the others this one.
         optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+        if kill_midway:
+            _kill_in_backward(runtime, model, epochs * -(-len(x_train) // batch_size) // 2)
         with gradhub.DataParallelTrainer(
             model, optimizer, strategy=strategy, runtime=runtime
         ) as trainer:
@@ -64,26 +64,26 @@ def train(
                 seed=seed,
                 run_dir=run_dir,
                 progress=progress,
-                on_step=_killer(runtime, epochs * -(-len(x_train) // batch_size) // 2)
-                if kill_midway
-                else None,
             )
         if runtime.is_main:
             (Path(run_dir) / "result.json").write_text(json.dumps(asdict(result)))
     return result
 
 
-def _killer(runtime: gradhub.Runtime, step: int) -> Callable[[int, dict[str, Any]], None] | None:
-    """The ``on_step`` that kills the last worker of a surviving job after ``step``."""
+def _kill_in_backward(runtime: gradhub.Runtime, model: torch.nn.Module, step: int) -> None:
+    """Make the last worker of a surviving job SIGKILL itself in the middle of
+    the backward of step ``step`` (counted from 0): a gradient hook on the
+    first layer's weight, whose gradient comes last, while the other
+    gradients' all-reduces are under way."""
     membership = runtime.membership
-    if not step or membership is None or membership.member != runtime.world_size - 1:
-        return None
+    if membership is None or membership.member != runtime.world_size - 1:
+        return
 
-    def kill(done: int, record: dict[str, Any]) -> None:
-        if done == step:
+    def kill(_: torch.Tensor) -> None:
+        if runtime.committed_steps == step:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    return kill
+    next(model.parameters()).register_post_accumulate_grad_hook(kill)
 
 
 def main(argv: list[str] | None = None) -> int:

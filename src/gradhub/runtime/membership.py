@@ -41,6 +41,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -236,9 +237,15 @@ def join(
     generation = int(store.get(LATEST))
     while member not in (record := membership.read(generation)).members:
         generation += 1
-    membership.generation = membership._seen = generation
-    group = rebuild(membership, record, backend, timeout, transport)
-    return membership, group, Regrouped.agree(group, record, 0)
+    while True:
+        membership.generation = membership._seen = generation
+        try:
+            group = rebuild(membership, record, backend, timeout, transport)
+        except Superseded:
+            generation += 1
+            record = membership.read(generation)
+            continue
+        return membership, group, Regrouped.agree(group, record, 0)
 
 
 def rebuild(
@@ -250,9 +257,39 @@ def rebuild(
 ) -> CollectiveGroup:
     """The default process group over ``record``'s members (this member's rank:
     its index there), on the job's store under the generation's own prefix."""
+    arrive(membership, record)
     store = dist.PrefixStore(group_prefix(record.number), membership.store)
     rank = record.members.index(membership.member)
     return _start(store, rank, len(record.members), backend, timeout, rank, transport)
+
+
+class Superseded(WorkerFailedError):
+    """A newer generation came while this one's members were gathering (another
+    worker died meanwhile): rebuild over that one instead."""
+
+
+ARRIVAL_POLL = 0.02
+"""Seconds between two looks at who has arrived for a generation's group."""
+
+
+def arrive(membership: Membership, record: Generation) -> None:
+    """Wait until every member of ``record`` has said it is here, before the
+    process group's own rendezvous (which would wait for a dead member until
+    the timeout). A newer generation meanwhile raises :class:`Superseded`."""
+    store, number = membership.store, record.number
+    store.set(f"{PREFIX}arrived/{number}/{membership.member}", "1")
+    keys = [f"{PREFIX}arrived/{number}/{m}" for m in record.members]
+    deadline = time.monotonic() + membership.timeout
+    while not store.check(keys):
+        if store.check([members_key(number + 1)]):
+            raise Superseded(f"generation {number + 1} came while {number} gathered")
+        if time.monotonic() > deadline:
+            missing = [m for m, k in zip(record.members, keys, strict=True) if not store.check([k])]
+            raise WorkerFailedError(
+                f"[member {membership.member}] member(s) {missing} did not arrive for "
+                f"generation {number} within {membership.timeout:g}s"
+            )
+        time.sleep(ARRIVAL_POLL)
 
 
 @dataclass

@@ -34,8 +34,9 @@ Algorithm (one synchronisation per operation):
 Operation ``k + 2`` reuses set ``k % 2``; a rank gets there only after every
 counter reached ``k + 1``, i.e. after every rank finished reading operation
 ``k``. So one synchronisation per operation suffices. An all-reduce of plain
-values up to ``ONE_SYNC_BYTES`` (8 MiB) is one operation: every rank writes
-its whole vector, then adds every slice itself (:mod:`.shm_sums`, same bits).
+values up to ``ONE_SYNC_BYTES`` (8 MiB) over the number of other ranks is one
+operation: every rank writes its whole vector, then adds every slice itself
+(:mod:`.shm_sums`, the same bits).
 
 All-gather from the owners' memory: where every rank may read every other
 rank's memory (``process_vm_readv``, :mod:`gradhub._shm.cma`; agreed at
@@ -199,10 +200,10 @@ class ShmTransport(Transport):
     def all_reduce(
         self, op: Operation, flat: torch.Tensor, codec: codecs.Codec, chunking: Chunking
     ) -> None:
-        """Plain values of at most :data:`ONE_SYNC_BYTES`: one synchronisation,
-        every rank adds every slice (:func:`.shm_sums.add_everywhere`, the same bits)."""
+        """Plain values of at most :data:`ONE_SYNC_BYTES` / (ranks - 1): one
+        synchronisation, every rank adds every slice (:func:`.shm_sums.add_everywhere`)."""
         plain = isinstance(codec, codecs.NoCompression)
-        if not plain or flat.numel() * flat.element_size() > ONE_SYNC_BYTES:
+        if not plain or flat.numel() * flat.element_size() * (self.size - 1) > ONE_SYNC_BYTES:
             return super().all_reduce(op, flat, codec, chunking)
         k, regions = self._begin(op, flat.numel(), flat.dtype)
         regions[self.index].copy_(flat)
