@@ -41,7 +41,7 @@ from collections.abc import Sequence
 
 import zmq
 
-from gradhub.errors import ClosedError
+from gradhub.errors import ClosedError, InvalidOptionError
 from gradhub.ps.client.deadlines import Deadlines
 from gradhub.ps.client.exchange import Exchange
 from gradhub.ps.client.link import MUTATING, Link, Request, dealer
@@ -114,7 +114,7 @@ class Channel:
         for a in addresses:
             try:
                 self._servers.append(Link(a, dealer(self._ctx, a)))
-            except ValueError:
+            except InvalidOptionError:
                 self._close_sockets()
                 raise
         self._zmq_fds = [int(s.sock.getsockopt(zmq.FD)) for s in self._servers]

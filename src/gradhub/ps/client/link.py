@@ -20,6 +20,7 @@ import zmq
 from gradhub.errors import AuthenticationError, ClosedError, GradhubError
 from gradhub.ps.client.arena import ClientArena, Slot
 from gradhub.ps.lanes import PriorityLanes
+from gradhub.ps.wire import zmq_errors
 from gradhub.ps.wire.protocol import MUTATING, Message, Op
 from gradhub.ps.wire.protocol.small import Wire
 
@@ -115,7 +116,8 @@ def closed_error(address: str) -> ClosedError:
 def dealer(ctx: zmq.Context[Any], address: str) -> zmq.Socket[Any]:
     """A DEALER connected to ``address``: no linger, no high-water marks (the
     channel bounds what is in flight), reconnecting within 0.1-1 s;
-    ``ValueError`` naming a malformed address."""
+    :class:`~gradhub.errors.InvalidOptionError` (a ``ValueError``) naming an
+    address ZeroMQ refuses."""
     sock: zmq.Socket[Any] = ctx.socket(zmq.DEALER)
     sock.linger = 0
     sock.sndhwm = 0
@@ -126,5 +128,5 @@ def dealer(ctx: zmq.Context[Any], address: str) -> zmq.Socket[Any]:
         sock.connect(address)
     except zmq.ZMQError as exc:
         sock.close(0)
-        raise ValueError(f"cannot connect to parameter server {address!r}: {exc}") from exc
+        raise zmq_errors.translate(exc, endpoint=address, action="connect") from exc
     return sock

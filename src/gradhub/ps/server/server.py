@@ -43,13 +43,13 @@ from typing import Any
 import torch
 import zmq
 
-from gradhub.errors import BindError, ProtocolError
+from gradhub.errors import ProtocolError
 from gradhub.ps.server.arenas import ServerArenas
 from gradhub.ps.server.config import ServerConfig, default_optimizer
 from gradhub.ps.server.rejects import Rejects
 from gradhub.ps.server.service import Service
 from gradhub.ps.server.store import describe
-from gradhub.ps.wire import arena, protocol
+from gradhub.ps.wire import arena, protocol, zmq_errors
 from gradhub.ps.wire import frames as frame_io
 from gradhub.ps.wire.protocol import MUTATING, Message, Op, Status, small
 
@@ -95,7 +95,7 @@ class Server:
         except zmq.ZMQError as exc:
             self._sock.close(0)
             self._ctx.term()
-            raise BindError(f"cannot bind parameter server to {config.bind}: {exc}") from exc
+            raise zmq_errors.translate(exc, endpoint=config.bind, action="bind") from exc
         self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.service.address = self.address
         self._poll_items: list[tuple[Any, int]] = [(self._sock, zmq.POLLIN)]

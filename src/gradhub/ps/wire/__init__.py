@@ -3,7 +3,8 @@
 - ``protocol/``: what a message is (``message.py``), its frames and signature
   (``framing.py``), the commonest small messages packed and read in one step
   (``small.py``).
-- ``frames.py``: a message's frames through a ZeroMQ socket.
+- ``frames.py``: a message's frames through a ZeroMQ socket;
+  ``zmq_errors.py``: ZeroMQ's errors as gradhub's.
 - ``status.py``: reply statuses to exceptions and back.
 - ``optim_state.py``: a key's optimizer state in one message.
 - ``arena.py``: the shared-memory arena of a client and a server on one host
