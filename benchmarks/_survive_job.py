@@ -110,7 +110,9 @@ def main() -> None:
             if plan.get(step - 1) == "between":
                 die(args.out, member, step)
 
-        model[0].weight.register_post_accumulate_grad_hook(in_backward)
+        first = model[0]
+        assert isinstance(first, nn.Linear)
+        first.weight.register_post_accumulate_grad_hook(in_backward)
         model.register_forward_pre_hook(at_forward)
         with gradhub.DataParallelTrainer(
             model, optimizer, strategy="allreduce", runtime=runtime, bucket_mb=args.bucket_mb

@@ -222,9 +222,9 @@ def markdown(report: dict[str, Any]) -> str:
 
     for name, row in report["overhead"].items():
         r = row["ratio_per_round"]
-        threads = " / ".join(",".join(map(str, row["threads"][m])) for m in ("plain", "survive"))
+        counts = " / ".join(",".join(map(str, row["threads"][m])) for m in ("plain", "survive"))
         lines.append(
-            f"| {name} | {threads} | {ms(row['plain_step_s'])} | {ms(row['survive_step_s'])} "
+            f"| {name} | {counts} | {ms(row['plain_step_s'])} | {ms(row['survive_step_s'])} "
             f"| {row['ratio_of_medians']:.3f}x | {r['median']:.3f}x [{r['min']:.3f}, "
             f"{r['max']:.3f}] | {row['plain_wall_per_step_s']['median'] * 1e3:.1f} / "
             f"{row['survive_wall_per_step_s']['median'] * 1e3:.1f} |"
