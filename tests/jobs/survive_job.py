@@ -8,7 +8,9 @@ features, 4 classes), SGD with momentum (or AdamW), global batches of 32:
 - ``backward``: in the middle of the backward, from a gradient hook of the
   first layer's weight (whose gradient comes last), when the other buckets'
   all-reduces are under way (``bucket_mb`` is tiny: one bucket per parameter);
-- ``between``: after the step committed (fit's ``on_step``).
+- ``between``: after the step committed (fit's ``on_step``);
+- ``checkpoint``: half way through writing its checkpoint file of the step
+  (with ``--checkpoint-every``; ``STEP`` counts the steps committed).
 
 ``--hold STEP`` (with ``gradhub run --max-restarts``): from that step on, while
 the job is short of workers, ``fit``'s ``on_step`` waits until the replacement
@@ -100,6 +102,7 @@ def main() -> None:
     p.add_argument("--loop", action="store_true")
     p.add_argument("--loader-workers", type=int, default=0)
     p.add_argument("--hold", type=int, default=0, help="from this step, wait for a replacement")
+    p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--workers", type=int, default=4, help="the job's workers (with --hold)")
     args = p.parse_args()
     pid = os.getpid()
@@ -114,6 +117,16 @@ def main() -> None:
                 die(args.out, member)
 
         model[0].weight.register_post_accumulate_grad_hook(in_backward)
+        save = torch.save
+
+        def in_checkpoint(obj: Any, f: Any, *rest: Any, **kw: Any) -> None:
+            if isinstance(obj, dict) and plan.get(obj.get("step", -1)) == "checkpoint":
+                f.write(b"half a checkpoint")
+                f.flush()
+                die(args.out, member)
+            save(obj, f, *rest, **kw)
+
+        torch.save = in_checkpoint
         out: dict[str, Any] = {"member": member, "pid_start": pid}
         if args.loop:
             out.update(own_loop(model, optimizer, runtime, x, y, args, plan, member))
@@ -135,6 +148,8 @@ def main() -> None:
                     run_dir=args.out / "run",
                     progress=False,
                     on_step=between,
+                    checkpoint_dir=args.out / "ckpt" if args.checkpoint_every else None,
+                    checkpoint_every=args.checkpoint_every,
                 )
             out["result"] = {k: v for k, v in asdict(result).items() if k != "history"}
         out.update(

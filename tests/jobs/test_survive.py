@@ -25,6 +25,7 @@ import torch
 
 import readme_blocks
 from gradhub.cli.launcher import LaunchConfig
+from gradhub.train.checkpoint import CheckpointDir
 from gradhub.train.metrics import read_metrics
 
 JOB = str(Path(__file__).with_name("survive_job.py"))
@@ -159,6 +160,27 @@ def test_a_replacement_rejoins_and_takes_the_state_from_the_survivors(
     metrics = read_metrics(out / "run")
     generations = [(r["members"], r["dead"]) for r in metrics[0] if r["kind"] == "membership"]
     assert generations == [([0, 1, 3], [2]), ([0, 1, 3, 4], [])]
+
+
+@pytest.mark.slow
+def test_a_kill_while_writing_a_checkpoint_leaves_the_checkpoints_readable(
+    tmp_path: Path, sgd: dict[str, torch.Tensor]
+) -> None:
+    """Checkpoints every 4 steps; member 1 dies half way through writing its file of
+    step 8 (a torn temporary file, never a checkpoint). The survivors go on and
+    write their files of the later steps at their new ranks; the latest complete
+    checkpoint holds the final parameters."""
+    out = tmp_path / "job"
+    code = _run(out, 4, "--checkpoint-every", "4", "--kill", "1:8:checkpoint")
+    assert code == 0, (tmp_path / "job.log").read_text()
+    _check_survivors(out, [0, 2, 3], sgd)
+    folder = CheckpointDir(path=out / "ckpt", rank=0)
+    by_step = folder.ranks_by_step()
+    assert by_step[STEPS] == by_step[STEPS - 4] == {0, 1, 2}  # written at the new ranks
+    assert folder.latest_complete() == (STEPS, 3)
+    state = folder.load(STEPS, rank=1)
+    for name, value in state["model"].items():
+        assert torch.equal(value, _members(out)[0]["params"][name])
 
 
 @pytest.mark.slow
