@@ -4,10 +4,13 @@ torch loads every ``torch.backends`` entry point while it imports itself
 (``torch._import_device_backends``), wrapping any exception in a
 ``RuntimeError`` that breaks ``import torch``. This package is that entry
 point, kept apart from :mod:`gradhub` so that nothing heavy is imported there:
-:func:`register` only records a creator that imports :mod:`gradhub.backend`
-when a process group is first created, and it swallows every exception (a
-torch without the API, a second registration). ``import gradhub`` calls the
-same function, so the backend is there whichever comes first.
+:func:`register` only records a creator that imports
+:mod:`gradhub.backend.registration` when a process group is first created
+(the one arrow from here into gradhub, taken late), and it swallows every
+exception (a torch without the API, a second registration). ``import
+gradhub`` registers the same name itself
+(:func:`gradhub.backend.registration.register`, which never imports this
+package), so the backend is there whichever comes first.
 ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` turns torch's autoloading off.
 """
 
@@ -16,7 +19,8 @@ from __future__ import annotations
 from typing import Any
 
 NAME = "gradhub"
-"""The backend's name: ``dist.init_process_group("gradhub")``."""
+"""The backend's name: ``dist.init_process_group("gradhub")`` (the same as
+:data:`gradhub.backend.registration.NAME`; a test checks it)."""
 
 
 def register() -> bool:

@@ -23,6 +23,7 @@ def test_registered_by_import_gradhub_and_idempotent() -> None:
     assert "GRADHUB" in dist.Backend._plugins
     assert dist.Backend("gradhub") == "gradhub"
     assert gradhub.backend.register() and gradhub_autoload.register()
+    assert gradhub_autoload.NAME == gradhub.backend.NAME
     # gloo stays the default CPU backend: registering takes nothing over
     assert dist.Backend.default_device_backend_map["cpu"] == "gloo"
 
@@ -46,3 +47,4 @@ def test_a_failing_registration_never_raises(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.delitem(dist.Backend._plugins, "GRADHUB")
     monkeypatch.setattr(dist.Backend, "register_backend", broken)
     assert gradhub_autoload.register() is False
+    assert gradhub.backend.register() is False

@@ -1,4 +1,4 @@
-"""The import graph of src/gradhub, computed from the source with ast.
+"""The import graph of src/gradhub and src/gradhub_autoload, computed from the source with ast.
 
 Every ``import`` and ``from ... import`` counts, wherever it stands (module
 level, inside a function, under ``if TYPE_CHECKING:``): each is an arrow a
@@ -78,8 +78,13 @@ def modules(root: Path) -> dict[str, Path]:
     return found
 
 
-def import_graph(root: Path, package: str = "gradhub") -> dict[str, set[str]]:
-    """Module -> the modules of ``package`` it imports (every import statement)."""
+PACKAGES = ("gradhub", "gradhub_autoload")
+"""The packages under src/ whose arrows count: gradhub and the ``torch.backends``
+entry point beside it, which calls into gradhub (so a circle through it counts)."""
+
+
+def import_graph(root: Path, packages: tuple[str, ...] = PACKAGES) -> dict[str, set[str]]:
+    """Module -> the modules of ``packages`` it imports (every import statement)."""
     mods = modules(root)
 
     def resolve(name: str) -> str:
@@ -103,7 +108,7 @@ def import_graph(root: Path, package: str = "gradhub") -> dict[str, set[str]]:
                 for a in node.names:  # `from pkg import module` imports the module
                     full = f"{source}.{a.name}"
                     targets.add(full if full in mods else resolve(source))
-        graph[name] = {t for t in targets if t.split(".")[0] == package and t != name}
+        graph[name] = {t for t in targets if t.split(".")[0] in packages and t != name}
     return graph
 
 
@@ -174,6 +179,7 @@ def cycles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
 def test_layers_and_subsystems_hold() -> None:
     graph = import_graph(SRC)
     assert "gradhub.transports.base" in graph and "gradhub.ps.client.arena" in graph
+    assert graph["gradhub_autoload"] == {"gradhub.backend.registration"}
     assert violations(graph) == []
 
 
@@ -251,4 +257,23 @@ def test_the_checks_keep_the_ps_client_and_server_apart(tmp_path: Path) -> None:
         "gradhub.ps.server.service -> gradhub.ps.client.placement"
         " (gradhub.ps.server must not import it)",
         "gradhub.ps.wire.protocol -> gradhub.ps.client.remote (gradhub.ps.wire must not import it)",
+    ]
+
+
+def test_a_circle_through_the_autoload_entry_point_is_caught(tmp_path: Path) -> None:
+    """The entry point's late import of gradhub and an import of the entry point
+    back from gradhub make a circle like any other."""
+    files = {
+        "gradhub/__init__.py": "",
+        "gradhub/backend/__init__.py": "",
+        "gradhub/backend/registration.py": "import gradhub_autoload\n",
+        "gradhub_autoload/__init__.py": (
+            "def create():\n    from gradhub.backend.registration import create\n"
+        ),
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert cycles(import_graph(tmp_path)) == [
+        frozenset({"gradhub_autoload", "gradhub.backend.registration"})
     ]

@@ -1,10 +1,13 @@
 """Registering the backend and building a group when torch asks for one.
 
 :func:`register` records ``"gradhub"`` with
-``torch.distributed.Backend.register_backend(..., devices=["cpu"])`` (see
-:mod:`gradhub_autoload`, which the ``torch.backends`` entry point also calls);
-torch then calls :func:`create` inside ``init_process_group("gradhub")`` and
-``new_group(backend="gradhub")``.
+``torch.distributed.Backend.register_backend(..., devices=["cpu"])`` at
+``import gradhub``; torch then calls :func:`create` inside
+``init_process_group("gradhub")`` and ``new_group(backend="gradhub")``. In a
+process that never imports gradhub, the ``torch.backends`` entry point
+(:mod:`gradhub_autoload`) registers the same name with a creator that imports
+this module when torch first calls it; whichever registers first stays (both
+end in :func:`create`). This module does not import :mod:`gradhub_autoload`.
 
 Decisions:
 
@@ -31,11 +34,11 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-import gradhub_autoload
 from gradhub.backend.process_group import GradhubProcessGroup
 from gradhub.errors import RendezvousError
 
-NAME = gradhub_autoload.NAME
+NAME = "gradhub"
+"""The backend's name: ``dist.init_process_group("gradhub")``."""
 
 
 def register() -> bool:
@@ -43,7 +46,16 @@ def register() -> bool:
 
     Idempotent; never raises (a torch without the API leaves it unregistered).
     """
-    return gradhub_autoload.register()
+    try:
+        if not dist.is_available():
+            return False
+        backend = dist.Backend
+        if NAME.upper() in getattr(backend, "_plugins", {}):
+            return True
+        backend.register_backend(NAME, create, extended_api=True, devices=["cpu"])
+        return True
+    except Exception:  # never break `import gradhub`
+        return False
 
 
 def create(options: Any, backend_options: Any = None) -> GradhubProcessGroup:
