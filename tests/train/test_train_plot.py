@@ -74,3 +74,20 @@ def test_eval_records_add_loss_against_samples_and_bytes(
     assert list(curves["diloco"].get_xdata()) == [180.0, 380.0]  # none sent yet: left out
     assert list(curves["allreduce"].get_ydata()) == [0.3, 0.15]
     assert [x for (x,) in [line.get_xdata()[-1:] for line in by_samples.lines]] == [160, 160]
+
+
+def test_a_membership_change_is_a_dashed_line_where_the_survivors_went_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lines = [{"kind": "step", "step": s, "loss": 2.0 / s} for s in range(1, 9)]
+    lines.insert(5, {"kind": "membership", "step": 5, "world_size": 3, "dead": [2]})
+    lines.insert(7, {"kind": "membership", "step": 6, "world_size": 4, "dead": []})
+    (tmp_path / "metrics.rank0.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
+    import matplotlib.figure
+
+    saved: list[matplotlib.figure.Figure] = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: saved.append(fig))
+    plot_run(tmp_path)
+    loss = saved[0].axes[0]
+    marks = {m.get_label(): list(m.get_xdata()) for m in loss.lines if m.get_linestyle() == "--"}
+    assert marks == {"3 workers": [5, 5], "4 (joined)": [6, 6]}

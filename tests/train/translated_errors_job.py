@@ -12,8 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import gradhub
-from gradhub.train.checkpoint import CheckpointDir
-from gradhub.train.checkpoint import agreed_checkpoint
+from gradhub.train.checkpoint import CheckpointDir, agreed_checkpoint
 from gradhub.train.strategies.allreduce import _FutureWork
 
 

@@ -16,7 +16,9 @@ only when all its values are positive); epoch axes have whole-number ticks; a
 curve is broken where the step count starts again (records of two runs in one
 folder, or a job restarted from a checkpoint) instead of drawing a line back;
 a restart (a ``"restart"`` record) is a dotted vertical line at the step it
-resumed from; a job without evaluation accuracy (a regression) has no
+resumed from; a membership change of a surviving job (a ``"membership"``
+record) a dashed red line at the step the survivors continued from, labelled
+with the workers left; a job without evaluation accuracy (a regression) has no
 accuracy curve.
 """
 
@@ -109,6 +111,9 @@ def plot_run(run_dir: Path, output: Path | None = None) -> Path:
             label = "restart" if i == 0 and not restarted else None
             ax_loss.axvline(r["step"], ls=":", lw=1.0, color="0.4", label=label)
             restarted = True
+        for r in (r for r in records if r["kind"] == "membership"):
+            label = f"{r['world_size']} workers" if r["dead"] else f"{r['world_size']} (joined)"
+            ax_loss.axvline(r["step"], ls="--", lw=0.8, color="tab:red", label=label)
         losses += [r["loss"] for r in steps]
         if by_cost:
             losses += [r["eval_loss"] for r in evals[name]]
