@@ -57,6 +57,13 @@ class ForwardSide:
                 "strategy='allreduce', or give every rank the same number of batches "
                 "(DistributedSampler(drop_last=True))"
             )
+        if self.runtime.survive:
+            raise MisuseError(
+                "join() in a surviving job (gradhub run --survive): the ranks' shares "
+                "change when a worker dies, so which ranks run out of data first cannot be "
+                "known in advance\n- help: use gradhub.GlobalBatchSampler, which gives "
+                "every rank a share of every global batch, and drop join()"
+            )
         return Join(self, **options)
 
     def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
