@@ -321,7 +321,7 @@ def test_init_takes_a_transport_for_the_whole_job() -> None:
 
 
 # ----------------------------------------------------------------- hosts
-# Ranks on several hosts: test_collective_hierarchical.py.
+# Ranks on several hosts: tests/transports/test_transports_hierarchical.py.
 
 
 def test_transport_names_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
