@@ -111,16 +111,30 @@ Decisions (DDP's loop, line by line, between syncs):
   diverged: they are, by design. Right after a sync (of every fragment, with
   ``fragments=1``) it passes.
 
-Not available yet (each a :class:`~gradhub.errors.UnsupportedOptionError`):
-parameter servers as the outer optimizer, asynchronous syncs.
+Parameter servers (``servers=``, :mod:`.servers`): the servers hold the
+shared weights and the outer optimizer's state and run the outer step; each
+worker pushes its pseudo-gradient at its sync and pulls the new shared
+weights. ``diloco_mode="sync"`` (servers in mode ``sync``): every worker's
+pseudo-gradient in one outer step, as without servers. ``diloco_mode="async"``
+(servers in mode ``ssp``): each worker's pseudo-gradient is an outer step of
+its own, taken when that worker syncs, and a worker more than the servers'
+``max_staleness`` syncs ahead of the slowest waits at its pull. ``fragments``
+and ``overlap`` work with servers (a fragment's keys are pushed and pulled at
+its syncs; the pull runs behind the overlapped steps); ``compress`` takes
+elementwise codecs only there (``fp4`` is an
+:class:`~gradhub.errors.UnsupportedOptionError` saying why). Checkpoints
+with servers hold no outer state (``"outer"`` is ``None``): a resumed worker
+pulls the servers' shared weights at set-up, and its own file brings its
+weights, inner state and the shared weights its next pseudo-gradient is
+taken against.
 """
 
 from gradhub.train.strategies.diloco.config import (
     DEFAULT_OUTER,
-    NOT_YET,
+    MODES,
     DiLoCoConfig,
     OuterOptimizer,
 )
 from gradhub.train.strategies.diloco.strategy import DiLoCoStrategy
 
-__all__ = ["DEFAULT_OUTER", "NOT_YET", "DiLoCoConfig", "DiLoCoStrategy", "OuterOptimizer"]
+__all__ = ["DEFAULT_OUTER", "MODES", "DiLoCoConfig", "DiLoCoStrategy", "OuterOptimizer"]

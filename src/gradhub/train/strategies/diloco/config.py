@@ -19,11 +19,11 @@ DEFAULT_OUTER: OuterOptimizer = functools.partial(
 )
 """The paper's outer optimizer: SGD, lr 0.7, Nesterov momentum 0.9."""
 
-NOT_YET = {
-    "servers": "parameter servers running the outer optimizer",
-    "asynchronous": "asynchronous syncs",
-}
-"""Options of DiLoCo's variants that gradhub does not have yet, and what each is."""
+MODES = ("sync", "async")
+"""The values of ``diloco_mode``."""
+
+RENAMED = {"asynchronous": "diloco_mode='async' (with servers=)"}
+"""Options of other DiLoCo implementations and what gradhub calls them."""
 
 
 def _int(value: object) -> bool:
@@ -59,7 +59,26 @@ class DiLoCoConfig:
     codec (``"bf16"``, ``"fp4"``, any of :func:`gradhub.codecs.available`
     ``(codecs.TENSOR)``): each rank's encoded pseudo-gradient is all-gathered,
     and every rank decodes them and sums them in fp32 in rank order (the same
-    bits everywhere); no error feedback."""
+    bits everywhere); no error feedback. With ``servers``: the pushes' wire codec
+    (elementwise codecs only: ``"bf16"``, ``"fp16"``, ...; the servers decode and
+    sum in fp32)."""
+    servers: bool | str | list[str] | None = None
+    """Parameter servers that hold the shared weights and run the outer optimizer
+    (:mod:`.servers`): their addresses (``"tcp://HOST:PORT"``, or a list), or
+    ``True`` for those ``gradhub run --servers S`` published. ``None`` (the
+    default): no servers; the pseudo-gradients are averaged on the job's group
+    and every rank runs the outer step."""
+    diloco_mode: str = "sync"
+    """``"sync"``: every worker's pseudo-gradient in one outer step (servers in
+    mode ``sync``, or no servers). ``"async"`` (needs ``servers``, in mode
+    ``ssp``): each worker's pseudo-gradient is one outer step of its own, taken
+    when that worker syncs; a worker more than the servers' ``max_staleness``
+    syncs ahead of the slowest waits for it."""
+    secret: str | bytes | None = None
+    """With ``servers``: the servers' shared secret, when they require one."""
+    timeout: float = 60.0
+    """With ``servers``: seconds a push or pull may take (waiting for a sync round
+    or for a worker behind included) before an error."""
 
     def __post_init__(self) -> None:
         h = self.inner_steps
@@ -88,16 +107,58 @@ class DiLoCoConfig:
                 "before the next fragment's starts; overlap=0 is the blocking sync"
             )
         self.compress = codecs.check(self.compress, for_="diloco")
+        if self.diloco_mode not in MODES:
+            raise InvalidOptionError(
+                f"diloco_mode must be one of {', '.join(map(repr, MODES))}, got "
+                f"{self.diloco_mode!r}\n- help: 'async' (with servers=) lets each worker sync "
+                "when it is ready"
+            )
+        self._check_servers()
+
+    def _check_servers(self) -> None:
+        servers = self.servers
+        if isinstance(servers, str):
+            servers = self.servers = [servers]
+        if servers is None or servers is False:
+            self.servers = None
+            if self.diloco_mode == "async":
+                raise InvalidOptionError(
+                    "diloco_mode='async' needs servers=: without them the workers average "
+                    "their pseudo-gradients together, at the same step\n- help: pass "
+                    "servers=['tcp://HOST:PORT', ...] (or True under `gradhub run --servers S "
+                    "--ps-mode ssp`), or drop diloco_mode"
+                )
+            return
+        if servers is not True and (
+            not isinstance(servers, list | tuple)
+            or not servers
+            or not all(isinstance(a, str) for a in servers)
+        ):
+            raise InvalidOptionError(
+                f"servers must be an address, a non-empty list of addresses, or True, got "
+                f"{servers!r}\n- help: servers=['tcp://HOST:PORT'], or servers=True for those "
+                "`gradhub run --servers S` published"
+            )
+        if not self.timeout > 0:
+            raise InvalidOptionError(
+                f"timeout must be > 0 seconds, got {self.timeout!r}\n- help: the default is 60"
+            )
+        codec = codecs.get(self.compress, for_="diloco")
+        if not codec.elementwise:
+            raise UnsupportedOptionError(
+                f"compress={codec.name!r} does not go with servers=: a push to the servers "
+                "is cut into slices (a key may span servers), and a tensor codec is decoded "
+                f"whole\n- help: compress='bf16' or 'fp16' ({', '.join(codecs.available())}), "
+                "or no servers"
+            )
 
 
 def check_option_names(options: Iterable[str]) -> None:
     known = {f.name for f in fields(DiLoCoConfig)}
     for name in options:
-        if name in NOT_YET:
+        if name in RENAMED:
             raise UnsupportedOptionError(
-                f"strategy 'diloco' does not take {name}= yet: {NOT_YET[name]} is not "
-                "available\n- help: drop it; diloco runs its outer step on every rank, "
-                "after a blocking or overlapped exchange on the job's group"
+                f"strategy 'diloco' has no option {name}=\n- help: write {RENAMED[name]}"
             )
         if name not in known:
             raise UnsupportedOptionError(
@@ -126,7 +187,8 @@ def build_outer(make: OuterOptimizer, shared: list[torch.Tensor]) -> torch.optim
 
 __all__ = [
     "DEFAULT_OUTER",
-    "NOT_YET",
+    "MODES",
+    "RENAMED",
     "DiLoCoConfig",
     "OuterOptimizer",
     "build_outer",

@@ -11,6 +11,7 @@ import torch
 
 from gradhub import codecs
 from gradhub._config import config_or_options
+from gradhub.collective import all_reduce
 from gradhub.errors import (
     InvalidOptionError,
     MisuseError,
@@ -20,6 +21,7 @@ from gradhub.errors import (
 from gradhub.train.strategies.base import Strategy, load_keeping_objects
 from gradhub.train.strategies.diloco import exchange, fragments
 from gradhub.train.strategies.diloco.config import DiLoCoConfig, build_outer, check_option_names
+from gradhub.train.strategies.diloco.servers import OuterServers, ServerSync
 
 _WIDTHS = (torch.float32, torch.bfloat16, torch.float16)
 _CHECKED = 64
@@ -30,7 +32,11 @@ class _Pending:
     """A fragment's exchange in flight, merged after ``remaining`` more inner steps."""
 
     def __init__(
-        self, fragment: int, job: exchange.Exchange, start: list[torch.Tensor] | None, tau: int
+        self,
+        fragment: int,
+        job: exchange.Exchange | ServerSync,
+        start: list[torch.Tensor] | None,
+        tau: int,
     ) -> None:
         self.fragment, self.job, self.start, self.remaining = fragment, job, start, tau
 
@@ -60,6 +66,9 @@ class DiLoCoStrategy(Strategy):
         self._samples_seen: list[float | None] = [None] * count  # set_samples counts
         self._plain = [0] * count  # steps without set_samples since the fragment's sync
         self._backwards = [0] * count  # backward passes outside no_sync() since then
+        self._globals: list[float | None] = [0.0] * count  # global_samples, if every step had it
+        self.servers: OuterServers | None = None
+        """The parameter servers' client (``servers=``), connected at set-up."""
         self._pending: _Pending | None = None
         self._flat = torch.zeros(0)
         self._slices: list[tuple[int, int]] = []
@@ -98,6 +107,13 @@ class DiLoCoStrategy(Strategy):
         # where the group carries host tensors (read through a NumPy view, no sync).
         self._tally = torch.zeros(3, dtype=torch.float32, device=self.runtime.group.device)
         self._tally_host = self._tally.numpy() if self._tally.device.type == "cpu" else None
+        if self.config.servers is not None:  # they hold the shared weights from now on
+            name_of = {id(p): n for n, p in model.named_parameters()}
+            names = [name_of[id(p)] for p in self.params]
+            self.servers = OuterServers(self.config, self.runtime, names, shared, self.outer)
+            with torch.no_grad():
+                for s, p in zip(shared, self.params, strict=True):
+                    p.copy_(s)
 
     def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
         raise MisuseError(
@@ -139,6 +155,8 @@ class DiLoCoStrategy(Strategy):
                 self._plain[f] += 1
             else:
                 self._samples_seen[f] = (seen or 0.0) + self._samples[0]
+            known, total = self._globals[f], None if self._samples is None else self._samples[1]
+            self._globals[f] = None if known is None or total is None else known + total
 
     def _rank_weight(self, f: int) -> float:
         """1 (the plain mean) without ``set_samples`` since fragment ``f``'s last sync,
@@ -183,7 +201,14 @@ class DiLoCoStrategy(Strategy):
                     delta.copy_(s.to(p.dtype))
                     delta.sub_(p.detach())
             weight = self._rank_weight(f)
-            if weight != 1.0:
+            if self.config.diloco_mode == "async":  # this worker's share (see .servers)
+                known = self._globals[f]
+                seen = self._samples_seen[f]
+                share = 1.0 / self.world_size
+                if known and seen is not None and not self._plain[f]:
+                    share = seen / known
+                flat.mul_(share)
+            elif weight != 1.0:
                 flat.mul_(weight)
             tau = self.config.overlap
             start = None
@@ -195,18 +220,28 @@ class DiLoCoStrategy(Strategy):
             self._tally_host[:] = tally
         else:
             self._tally.copy_(torch.tensor(tally), non_blocking=True)
-        job = exchange.start(flat, self._tally, self.codec, self.runtime.group)
-        self._pending = _Pending(f, job, start, tau)
         self._samples_seen[f], self._plain[f], self._backwards[f] = None, 0, 0
+        self._globals[f] = 0.0
+        job: exchange.Exchange | ServerSync
+        if self.servers is None:
+            job = exchange.start(flat, self._tally, self.codec, self.runtime.group)
+        else:
+            if self.config.diloco_mode == "sync":  # divided by the summed weights first
+                all_reduce(self._tally, group=self.runtime.group).wait()
+                host = self._tally_host if self._tally_host is not None else self._tally.cpu()
+                total = self._check_tally([float(v) for v in host])
+                if total != 1.0:
+                    flat.div_(total)
+            spans = [(i, *self._slices[i]) for i in members]
+            views = [self._flat[o : o + n].view_as(self.shared[i]) for i, o, n in spans]
+            self.servers.push(members, views)
+            job = self.servers.pull(members)
+        self._pending = _Pending(f, job, start, tau)
 
-    def _merge(self) -> None:
-        """The outer step of the pending fragment; the same on every rank."""
-        assert self.outer is not None and self._pending is not None
-        pending, self._pending = self._pending, None
-        f = pending.fragment
-        flat, tally = pending.job.wait()
-        host = self._tally_host if self._tally_host is not None else tally.cpu().numpy()
-        total, counts, squares = (float(v) for v in host)
+    def _check_tally(self, tally: list[float]) -> float:
+        """The summed weights, once the summed tally says every worker made the same
+        number of backward passes since the last sync and some weight is > 0."""
+        total, counts, squares = tally
         if self.world_size * squares != counts * counts:
             raise MisuseError(
                 f"at the sync after step {self.steps} the workers made different numbers of "
@@ -220,22 +255,39 @@ class DiLoCoStrategy(Strategy):
                 "no rank processed any sample since the last sync (set_samples(0) on every "
                 "step of every rank): there is no pseudo-gradient to average"
             )
+        return total
+
+    def _merge(self) -> None:
+        """The outer step of the pending fragment; the same on every rank."""
+        assert self.outer is not None and self._pending is not None
+        pending, self._pending = self._pending, None
+        f = pending.fragment
         members = self.fragments[f]
+        if isinstance(pending.job, ServerSync):  # the servers took the outer step
+            pending.job.wait()
+        else:
+            flat, tally = pending.job.wait()
+            host = self._tally_host if self._tally_host is not None else tally.cpu().numpy()
+            total = self._check_tally([float(v) for v in host])
+            with torch.no_grad():
+                if total != 1.0:
+                    flat.div_(total)
+                for i in members:
+                    offset, size = self._slices[i]
+                    shared = self.shared[i]
+                    shared.grad = self._flat[offset : offset + size].view_as(shared)
+                self.outer.step()
+                for i in members:
+                    self.shared[i].grad = None
         with torch.no_grad():
-            if total != 1.0:
-                flat.div_(total)
-            for i in members:
-                offset, size = self._slices[i]
-                self.shared[i].grad = self._flat[offset : offset + size].view_as(self.shared[i])
-            self.outer.step()
             for k, i in enumerate(members):
                 s, p = self.shared[i], self.params[i]
-                s.grad = None
                 if pending.start is None:
                     p.copy_(s)
                 else:  # the new shared weights plus the progress made since the start
                     p.copy_(s + (p.detach().float() - pending.start[k]))
         buffers = f == 0 and self.world_size > 1 and self.ddp.sync_buffers_at_forward
+        buffers = buffers and self.config.diloco_mode == "sync"
         if buffers and self._buffers():
             self._broadcast(self._buffers(), 0)
 
@@ -244,19 +296,24 @@ class DiLoCoStrategy(Strategy):
     def _pending_state(self) -> dict[str, Any] | None:
         """The exchange in flight, waited for (it was started on every rank; waiting
         starts nothing): its fragment, steps to go, summed pseudo-gradient and
-        tally, and where the local progress started."""
+        tally (with servers: none, the pulled shared weights are in place), and
+        where the local progress started."""
         pending = self._pending
         if pending is None:
             return None
-        flat, tally = pending.job.wait()
-        host = self._tally_host if self._tally_host is not None else tally.cpu().numpy()
-        return {
+        out = {
             "fragment": pending.fragment,
             "remaining": pending.remaining,
-            "sum": flat.detach().clone(),
-            "tally": [float(v) for v in host],
+            "sum": None,
+            "tally": None,
             "start": None if pending.start is None else [t.clone() for t in pending.start],
         }
+        if isinstance(pending.job, ServerSync):
+            pending.job.wait()
+            return out
+        flat, tally = pending.job.wait()
+        host = self._tally_host if self._tally_host is not None else tally.cpu().numpy()
+        return {**out, "sum": flat.detach().clone(), "tally": [float(v) for v in host]}
 
     def _load_pending(self, saved: dict[str, Any] | None) -> None:
         if self._pending is not None:  # its sum is about to land in the flat buffer
@@ -265,6 +322,19 @@ class DiLoCoStrategy(Strategy):
             self._pending = None
             return
         f = int(saved["fragment"])
+        start = saved["start"]
+        start = None if start is None else [t.clone() for t in start]
+        if (saved["sum"] is None) != (self.servers is None):
+            raise InvalidOptionError(
+                "this state was saved with a sync in flight "
+                f"{'without' if self.servers is not None else 'with'} servers=; it "
+                "resumes only under the same setting\n- help: load it into a strategy "
+                "with the same servers= as the run that saved it"
+            )
+        if self.servers is not None:  # the pulled weights came with the shared ones
+            job = ServerSync([], self.config.timeout)
+            self._pending = _Pending(f, job, start, int(saved["remaining"]))
+            return
         lo, hi = self._span(f)
         flat = self._flat[lo:hi]
         if saved["sum"].shape != flat.shape:
@@ -275,30 +345,34 @@ class DiLoCoStrategy(Strategy):
             self._tally_host[:] = saved["tally"]
         else:
             self._tally.copy_(torch.tensor(saved["tally"]))
-        start = saved["start"]
-        start = None if start is None else [t.clone() for t in start]
-        job = exchange.Exchange(flat, self._tally, [])
-        self._pending = _Pending(f, job, start, int(saved["remaining"]))
+        self._pending = _Pending(
+            f, exchange.Exchange(flat, self._tally, []), start, int(saved["remaining"])
+        )
 
     def optimizer_state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state dict plus ``"diloco"``: the shared weights,
-        the outer optimizer's state, the progress since each fragment's last sync,
-        an exchange in flight (waited for). Local."""
+        the outer optimizer's state (``None`` with servers: they hold it), the
+        progress since each fragment's last sync, an exchange in flight (waited
+        for). Local."""
         assert self.optimizer is not None and self.outer is not None
         out = self.optimizer.state_dict()
+        pending = self._pending_state()  # first: with servers, its pull lands in shared
+        outer = None if self.servers is not None else copy.deepcopy(self.outer.state_dict())
         out["diloco"] = {
             "shared": [s.detach().clone() for s in self.shared],
-            "outer": copy.deepcopy(self.outer.state_dict()),
+            "outer": outer,
             "inner_steps_done": self.inner_done,
             "samples": list(self._samples_seen),
             "plain_steps": list(self._plain),
             "backwards": list(self._backwards),
-            "pending": self._pending_state(),
+            "globals": list(self._globals),
+            "pending": pending,
         }
         return out
 
     def load_optimizer_state_dict(self, state: dict[str, Any]) -> None:
-        """Takes a plain optimizer's state dict too (then only the inner part changes)."""
+        """Takes a plain optimizer's state dict too (then only the inner part changes).
+        With servers the saved outer state is not loaded: the servers hold theirs."""
         assert self.optimizer is not None and self.outer is not None
         inner = {k: v for k, v in state.items() if k != "diloco"}
         ours = state.get("diloco")
@@ -327,11 +401,14 @@ class DiLoCoStrategy(Strategy):
         with torch.no_grad():
             for mine, saved in zip(self.shared, shared, strict=True):
                 mine.copy_(saved)
-        load_keeping_objects(self.outer, copy.deepcopy(ours["outer"]))
+        if ours["outer"] is not None and self.servers is None:
+            load_keeping_objects(self.outer, copy.deepcopy(ours["outer"]))
         self.inner_done = int(ours["inner_steps_done"])
         self._samples_seen = [None if v is None else float(v) for v in ours["samples"]]
         self._plain = [int(v) for v in ours["plain_steps"]]
         self._backwards = [int(v) for v in ours["backwards"]]
+        known = ours.get("globals", [0.0] * len(self._plain))
+        self._globals = [None if v is None else float(v) for v in known]
         self._load_pending(ours.get("pending"))
 
     def model_loaded(self) -> None:
@@ -345,9 +422,14 @@ class DiLoCoStrategy(Strategy):
         """Waits for an exchange in flight (the other ranks take part in it), then
         releases what :class:`Strategy` holds."""
         pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.job.wait()
-        super().close()
+        try:
+            if pending is not None:
+                pending.job.wait()
+        finally:
+            if self.servers is not None:
+                self.servers.close()
+                self.servers = None
+            super().close()
 
 
 __all__ = ["DiLoCoStrategy"]
