@@ -10,7 +10,8 @@ features, 4 classes), SGD with momentum (or AdamW), global batches of 32:
   all-reduces are under way (``bucket_mb`` is tiny: one bucket per parameter);
 - ``between``: after the step committed (fit's ``on_step``);
 - ``checkpoint``: half way through writing its checkpoint file of the step
-  (with ``--checkpoint-every``; ``STEP`` counts the steps committed).
+  (with ``--checkpoint-every``; ``STEP`` counts the steps committed);
+- ``start``: before it joins the job (``STEP`` is ignored).
 
 ``--hold STEP`` (with ``gradhub run --max-restarts``): from that step on, while
 the job is short of workers, ``fit``'s ``on_step`` waits until the replacement
@@ -109,8 +110,10 @@ def main() -> None:
     member = int(os.environ.get("GRADHUB_MEMBER", "0"))
     model, optimizer = model_and_optimizer(args.optimizer)
     x, y = data()
+    plan = kills(args.kill, member)
+    if "start" in plan.values():
+        die(args.out, member)
     with gradhub.init(timeout=60) as runtime:
-        plan = kills(args.kill, member)
 
         def in_backward(_: torch.Tensor) -> None:
             if plan.get(runtime.committed_steps) == "backward":

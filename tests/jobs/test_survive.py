@@ -78,18 +78,20 @@ def test_a_replacement_rejoins_and_takes_the_state_from_the_survivors(
 def test_a_kill_while_writing_a_checkpoint_leaves_the_checkpoints_readable(
     tmp_path: Path, sgd: dict[str, torch.Tensor]
 ) -> None:
-    """Checkpoints every 4 steps; member 1 dies half way through writing its file of
+    """Member 3 dies before it joins (the others' first group is over the rest).
+    Checkpoints every 4 steps; member 1 dies half way through writing its file of
     step 8 (a torn temporary file, never a checkpoint). The survivors go on and
     write their files of the later steps at their new ranks; the latest complete
     checkpoint holds the final parameters."""
     out = tmp_path / "job"
-    code = run_job(out, 4, "--checkpoint-every", "4", "--kill", "1:8:checkpoint")
+    kills = ["--kill", "1:8:checkpoint", "--kill", "3:0:start"]
+    code = run_job(out, 4, "--checkpoint-every", "4", *kills)
     assert code == 0, (tmp_path / "job.log").read_text()
-    check_survivors(out, [0, 2, 3], sgd)
+    check_survivors(out, [0, 2], sgd)
     folder = CheckpointDir(path=out / "ckpt", rank=0)
     by_step = folder.ranks_by_step()
-    assert by_step[STEPS] == by_step[STEPS - 4] == {0, 1, 2}  # written at the new ranks
-    assert folder.latest_complete() == (STEPS, 3)
+    assert by_step[STEPS] == by_step[STEPS - 4] == {0, 1}  # written at the new ranks
+    assert folder.latest_complete() == (STEPS, 2)
     state = folder.load(STEPS, rank=1)
     for name, value in state["model"].items():
         assert torch.equal(value, members(out)[0]["params"][name])

@@ -231,7 +231,11 @@ def join(
     membership = Membership(store, member, timeout, _tcp_client(host, port, member, timeout))
     if environ.get(JOINING_ENV) != "1":
         record = membership.read(0)
-        return membership, rebuild(membership, record, backend, timeout, transport), None
+        while True:
+            try:
+                return membership, rebuild(membership, record, backend, timeout, transport), None
+            except Superseded:  # a worker died before the first group was up
+                record = membership.next()
     # A replacement: say it is ready, then wait for the generation that takes it in.
     store.set(ready_key(member), "1")
     generation = int(store.get(LATEST))

@@ -163,7 +163,7 @@ class FitRun:
         continued = self.rt.restart > 0 and run_dir is not None and jobs.check([started])
         if run_dir is not None and not self.cfg.resume and not continued:
             used = float(any(metrics_file(run_dir, r).exists() for r in range(self.rt.world_size)))
-        flag = self.rt.all_reduce_sum(torch.tensor([used]), where="run folder check")
+        flag = survival.surviving_sum(self.rt, torch.tensor([used]), "run folder check")
         if flag.item() > 0:
             raise RunFolderExistsError(
                 f"run folder {run_dir} already holds the metrics of a run\n"

@@ -22,6 +22,7 @@ from gradhub.runtime import Runtime
 from gradhub.train.ddp_options import DDPOptions
 from gradhub.train.strategies.join import Join
 from gradhub.train.strategies.replicas import broadcast_tensors
+from gradhub.train.strategies.survival import PEER_FAILURES
 
 
 class ForwardSide:
@@ -95,8 +96,12 @@ class ForwardSide:
         tensors = [p.data for p in model.parameters()]
         if self.ddp.sync_buffers_at_setup:
             tensors += [b for b in model.buffers()]
-        if self.runtime.world_size > 1 and self.runtime.joined is None:
-            self._broadcast(tensors, 0)  # a replacement takes the survivors' state instead
+        while self.runtime.world_size > 1 and self.runtime.joined is None:
+            try:
+                self._broadcast(tensors, 0)  # a replacement takes the survivors' state instead
+                return
+            except PEER_FAILURES as exc:  # a surviving job: again from the new rank 0
+                self.runtime.regroup(exc)  # raises exc without survival
 
     def _buffers(self) -> list[torch.Tensor]:
         return [] if self.model is None else list(self.model.buffers())
