@@ -10,8 +10,10 @@ only that worker; the others go on:
   member ids, which are the ranks of generation 0; a replacement gets a new
   id), and ``gradhub/survive/dead/<g>`` the members that left since ``g - 1``.
   Only the supervisor writes them: it is the parent of every worker on its
-  host and sees a death the moment it happens (``waitpid``), so no worker
-  has to guess whether a silent peer is dead or slow.
+  host and sees a death the moment it happens (``waitpid``; other nodes'
+  launchers report theirs), so no worker has to guess whether a silent peer
+  is dead or slow. Workers write only their own keys: that they arrived for
+  a generation's group, and (a replacement) that they are ready to join.
 - **Noticing.** A survivor learns of a death from its transport: shared
   memory checks every peer's ``pidfd`` each 0.1 s of a wait
   (:mod:`gradhub.transports.shm_control`), and a socket to a dead process
@@ -19,14 +21,22 @@ only that worker; the others go on:
   another's death aborts that group's gloo connections
   (``ProcessGroup.abort``), so a survivor still waiting on it fails within
   moments too, not at the collective timeout.
-- **Rebuilding** (:meth:`Membership.rebuild`): the old group is aborted and
-  destroyed, the survivor waits for the next generation's record, and the
-  default process group is set up again over the members of that
-  generation, each rank the member's index there (dense, in the old order),
+- **Rebuilding** (:func:`rebuild`, from :meth:`gradhub.Runtime.regroup`): the
+  old group is aborted and destroyed, the survivor waits for the next
+  generation's record, the members of that generation gather in the store
+  (:func:`arrive`: a death meanwhile brings a newer generation, which
+  supersedes this one, instead of a wait for the dead member until the
+  timeout), and the default process group is set up again over them, each
+  rank the member's index there (dense, in the old order),
   on the same store under ``gradhub/gen<g>/`` (fresh keys for gloo's
   rendezvous and the check-ins), with a new
   :class:`~gradhub.transports.group.CollectiveGroup` (new shared-memory
   segments; the old ones are freed with their last mapping).
+- **Joining.** A watcher thread waits (in the kernel, on a store connection
+  of its own) for the next generation's record; :attr:`Membership.pending`
+  then asks, through the step's flags, for a regroup after the current step
+  on every rank: how a ready replacement is taken in at a step boundary.
+  The replacement then takes the survivors' state (:class:`Regrouped`).
 - **Too few.** A generation with fewer members than ``--min-workers`` is
   recorded with ``gradhub/survive/stop/<g>``; each survivor then raises
   :class:`~gradhub.errors.TooFewWorkersError` naming the dead members.
