@@ -21,7 +21,11 @@ sees them, their steps send and apply nothing, and the sampler then
 yields the batch to train again. To keep such a loader going until every
 global batch is committed, the sampler may end an epoch with a few
 one-sample placeholders (at most the loader's prefetch depth), which are
-likewise trained locally and never applied. One backward per batch.
+likewise trained locally and never applied. One backward per batch. Its
+position in an epoch is the number of steps committed, epochs being
+``len(sampler)`` steps each: call ``set_epoch`` before every epoch, and start a
+replacement's loop (``runtime.replacement``) at epoch
+``runtime.committed_steps // len(sampler)``.
 
 A last global batch with fewer samples than ranks is dropped (a rank would
 get an empty share); ``drop_last=True`` drops any last partial batch.
@@ -35,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradhub.errors import InvalidOptionError
+from gradhub.errors import InvalidOptionError, MisuseError
 from gradhub.inprocess.merge import split_batch
 from gradhub.runtime import BatchShare, Runtime, current
 
@@ -119,7 +123,16 @@ class GlobalBatchSampler:
                     rt.batches.append(BatchShare(0, cursor, len(mine), len(chunk)))
                     yield mine
             return
-        first = rt.committed_steps  # steps committed before this epoch
+        first = self.epoch * len(chunks)  # steps committed before this epoch
+        if not 0 <= rt.committed_steps - first < len(chunks):
+            raise MisuseError(
+                f"GlobalBatchSampler at epoch {self.epoch} of a surviving job that has "
+                f"committed {rt.committed_steps} steps ({len(chunks)} an epoch): its "
+                "position is the steps committed, so the loop must be in epoch "
+                f"{rt.committed_steps // len(chunks)}\n- help: call sampler.set_epoch(epoch) "
+                "before each epoch, and start a replacement's loop at "
+                "runtime.committed_steps // len(sampler)"
+            )
         generation, cursor = rt.generation, 0
         handed: list[BatchShare] = []
         while True:
