@@ -1,17 +1,7 @@
-"""Own loops, the README's command and the demo row of a surviving job (the
-checks: ``test_survive.py``, ``survive_checks.py``).
-
-``survive_job.py`` trains a small MLP (16 steps an epoch, 2 epochs) and kills
-workers at chosen steps and places. The job must exit 0 with the survivors'
-processes the ones it started (each writes its pid at its start and end; a
-restarted worker would be a new process with no start record), every
-survivor at the fault-free number of committed steps, the survivors'
-parameters bit-identical to each other, and equal to a single process's on
-the same global batches (and to a fault-free 4-worker run) within 1e-5:
-the same global batch is summed over 3 ranks instead of 4 or 1, a
-different order of float32 additions (measured differences are about 2e-7
-after 32 steps).
-"""
+"""Own loops, the README's command and the demo row of a surviving job
+(``gradhub run --survive``): the user's loop with ``GlobalBatchSampler`` (with
+and without loader workers) checked as ``test_survive.py`` checks ``fit``
+(``survive_checks.py``: the survivors' processes, steps and parameters)."""
 
 from __future__ import annotations
 
