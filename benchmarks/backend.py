@@ -56,6 +56,7 @@ communication)`` (1.0: communication hidden behind the backward).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -92,6 +93,10 @@ def _elements(size: str) -> int:
 
 def _size_name(n: int) -> str:
     return f"{n >> 20}M" if n >= 1 << 20 and n % (1 << 20) == 0 else f"{n >> 10}K"
+
+
+def _all_reduce_on(group: Any) -> Callable[[torch.Tensor], Any]:
+    return lambda t: dist.all_reduce(t, group=group)
 
 
 def _mlp() -> torch.nn.Module:
@@ -174,10 +179,9 @@ def rank_main(
         for d in dtypes
         for n in sizes
     }
-    reducers: dict[str, Callable[[torch.Tensor], Any]] = {
-        b: lambda t, g=groups[b]: dist.all_reduce(t, group=g) for b in BACKENDS
-    }
-    peer, skipped = (None, "no all-reduce rows")
+    reducers = {b: _all_reduce_on(groups[b]) for b in BACKENDS}
+    peer: _deepspeed.AllReduce | None = None
+    skipped = "no all-reduce rows"
     if tensors:
         peer, skipped = _deepspeed.setup(groups["gloo"], [DTYPES[d][1] for d in dtypes])
         ready = torch.tensor([peer is not None], dtype=torch.int32)
@@ -222,7 +226,7 @@ def rank_main(
         reducing = list(reducers)[r % len(reducers) :] + list(reducers)[: r % len(reducers)]
         for b in reducing:  # each first in turn
             for key, t in tensors.items():
-                seconds = _timed(lambda t=t, f=reducers[b]: f(t), reps, groups[b])
+                seconds = _timed(functools.partial(reducers[b], t), reps, groups[b])
                 samples.setdefault(key, {}).setdefault(b, []).append(seconds)
         for b in order:
             g = groups[b]
