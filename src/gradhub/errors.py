@@ -243,3 +243,9 @@ class TooFewWorkersError(WorkerFailedError):
             "- help: check the dead workers' logs; restart the job (it resumes from the "
             "last checkpoint), or lower --min-workers"
         )
+
+
+class MembershipChangedError(WorkerFailedError):
+    """A surviving job's membership changed again (another worker died) while the
+    survivors gathered for the group of the previous change: they rebuild over
+    the newer membership instead (handled inside gradhub; seen only in logs)."""

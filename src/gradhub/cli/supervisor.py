@@ -51,7 +51,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch.distributed as dist
 
@@ -66,8 +66,18 @@ from gradhub.runtime.membership import (
     stop_key,
 )
 
-if TYPE_CHECKING:
-    from gradhub.cli.launcher import LaunchConfig
+
+class LaunchConfig(Protocol):
+    """What the supervisor reads of :class:`gradhub.cli.launcher.LaunchConfig`."""
+
+    nproc: int
+    nnodes: int
+    node_rank: int
+    target: list[str]
+    module: bool
+    min_workers: int
+    max_restarts: int
+
 
 log = logging.getLogger(__name__)
 

@@ -58,7 +58,12 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from gradhub.errors import LaunchEnvironmentError, TooFewWorkersError, WorkerFailedError
+from gradhub.errors import (
+    LaunchEnvironmentError,
+    MembershipChangedError,
+    TooFewWorkersError,
+    WorkerFailedError,
+)
 from gradhub.runtime.setup import _start, _tcp_client
 from gradhub.transports.group import CollectiveGroup
 
@@ -244,7 +249,7 @@ def join(
         while True:
             try:
                 return membership, rebuild(membership, record, backend, timeout, transport), None
-            except Superseded:  # a worker died before the first group was up
+            except MembershipChangedError:  # a worker died before the first group was up
                 record = membership.next()
     # A replacement: say it is ready, then wait for the generation that takes it in.
     store.set(ready_key(member), "1")
@@ -255,7 +260,7 @@ def join(
         membership.generation = membership._seen = generation
         try:
             group = rebuild(membership, record, backend, timeout, transport)
-        except Superseded:
+        except MembershipChangedError:
             generation += 1
             record = membership.read(generation)
             continue
@@ -277,11 +282,6 @@ def rebuild(
     return _start(store, rank, len(record.members), backend, timeout, rank, transport)
 
 
-class Superseded(WorkerFailedError):
-    """A newer generation came while this one's members were gathering (another
-    worker died meanwhile): rebuild over that one instead."""
-
-
 ARRIVAL_POLL = 0.02
 """Seconds between two looks at who has arrived for a generation's group."""
 
@@ -289,14 +289,14 @@ ARRIVAL_POLL = 0.02
 def arrive(membership: Membership, record: Generation) -> None:
     """Wait until every member of ``record`` has said it is here, before the
     process group's own rendezvous (which would wait for a dead member until
-    the timeout). A newer generation meanwhile raises :class:`Superseded`."""
+    the timeout). A newer generation meanwhile raises :class:`MembershipChangedError`."""
     store, number = membership.store, record.number
     store.set(f"{PREFIX}arrived/{number}/{membership.member}", "1")
     keys = [f"{PREFIX}arrived/{number}/{m}" for m in record.members]
     deadline = time.monotonic() + membership.timeout
     while not store.check(keys):
         if store.check([members_key(number + 1)]):
-            raise Superseded(f"generation {number + 1} came while {number} gathered")
+            raise MembershipChangedError(f"generation {number + 1} came while {number} gathered")
         if time.monotonic() > deadline:
             missing = [m for m, k in zip(record.members, keys, strict=True) if not store.check([k])]
             raise WorkerFailedError(

@@ -39,17 +39,13 @@ from gradhub.errors import CollectiveTimeoutError, UnsupportedByStrategyError, W
 
 if TYPE_CHECKING:
     from gradhub.runtime import Runtime
-    from gradhub.runtime.membership import BatchShare, Regrouped
+    from gradhub.runtime.membership import Regrouped
 
 PEER_FAILURES = (WorkerFailedError, CollectiveTimeoutError)
 """What a peer's death (or silence) raises in a step's communication."""
 
-
-class StaleShare(Exception):
-    """Marks a step whose batch a regroup made stale (never raised)."""
-
-    def __init__(self, share: BatchShare) -> None:
-        super().__init__(f"stale share of step {share.step} (generation {share.generation})")
+_STALE = WorkerFailedError("the step trains a share a regroup made stale (never raised)")
+"""Marks a step whose batch a regroup made stale: it sends and applies nothing."""
 
 
 class Survival:
@@ -72,6 +68,8 @@ class Survival:
     """Steps trained on a share a regroup made stale (a prefetching loader's), never applied."""
 
     _failure: BaseException | None = None
+    """What interrupted the current step (a peer's death), or :data:`_STALE`."""
+    _stale = False  # the current step trains a stale share (a prefetching loader's)
     _regroup_after = False  # a rank asked to regroup after this step (a replacement)
     set_samples: Callable[[int, int | None], None]
     state_dict: Callable[[], dict[str, Any]]
@@ -141,7 +139,7 @@ class Survival:
             return
         share = rt.batches.popleft()
         if rt.survive and not share.current(rt.generation, rt.committed_steps):
-            self._failure = StaleShare(share)
+            self._failure, self._stale = _STALE, True
             return
         if self._samples is None and getattr(self, "_hook", None) is None:
             self.set_samples(share.samples, share.global_samples)
@@ -150,9 +148,9 @@ class Survival:
         """``optimizer.step()`` of a failed step: regroup, drop the step's gradients."""
         exc, self._failure = self._failure, None
         self._synced, self._samples = False, None
-        if isinstance(exc, StaleShare):
+        if self._stale:
+            self._stale, exc = False, None
             self.stale_steps += 1
-            exc = None
         else:
             self.failed_steps += 1
         if self.model is not None:
