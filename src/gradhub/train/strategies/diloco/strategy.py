@@ -54,7 +54,8 @@ class DiLoCoStrategy(Strategy):
         self.outer: torch.optim.Optimizer | None = None
         """The outer optimizer (over :attr:`shared`), built at set-up."""
         self.shared: list[torch.Tensor] = []
-        """The shared fp32 weights of the last sync, one per trainable parameter."""
+        """The shared fp32 weights of the last sync, one per trainable parameter
+        (with servers, a fragment's take the pulled weights as they arrive)."""
         self.inner_done = 0
         """Inner steps taken since the last sync of fragment 0 (the step count mod H)."""
         self.fragments: list[range] = []
