@@ -22,7 +22,7 @@ from readme_blocks import Block, blocks
 
 # How many blocks of each kind the README has: a new block changes one of them.
 COUNTS = {
-    "python": 5,  # run as they are: python block.py
+    "python": 6,  # run as they are: python block.py
     "launched": 8,  # python, the new side of two diffs, DiLoCo: torchrun --nproc-per-node 2
     "commands": 3,  # gradhub serve, gradhub run, torchrun, python examples/...
     "elsewhere": 4,  # multi-node, the trainers, the --max-restarts rerun, --survive
