@@ -4,6 +4,8 @@
     gradhub run -n 4 examples/diloco_lm.py --strategy diloco --inner-steps 50 --run-dir runs/h50
     gradhub run -n 4 examples/diloco_lm.py --strategy diloco --inner-steps 100 \\
         --fragments 4 --overlap 2 --compress fp4 --run-dir runs/streaming
+    gradhub run -n 4 --servers 1 --ps-mode sync examples/diloco_lm.py --strategy diloco \\
+        --inner-steps 50 --servers --run-dir runs/servers
     gradhub plot runs        # validation loss against samples and against bytes sent
 
 The corpus is the ``.py`` files next to ``os.py`` on this machine (sorted by
@@ -118,6 +120,8 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
         "fragments": args.fragments,
         "overlap": args.overlap,
         "compress": args.compress,
+        "servers": True if args.servers else None,
+        "diloco_mode": args.diloco_mode,
     }
 
 
@@ -131,6 +135,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--compress",
         default="none",
         help="allreduce: none, bf16, powersgd; diloco: none, bf16, fp4",
+    )
+    p.add_argument(
+        "--servers",
+        action="store_true",
+        help="diloco: the shared weights and the outer optimizer on the parameter servers\n"
+        "`gradhub run --servers S --ps-mode sync` started (ssp for --diloco-mode async);\n"
+        "bytes_sent counts no server traffic then",
+    )
+    p.add_argument(
+        "--diloco-mode", default="sync", choices=["sync", "async"], help="diloco: with --servers"
     )
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--width", type=int, default=256)
