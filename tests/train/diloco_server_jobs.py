@@ -87,13 +87,14 @@ def staleness(
 
 
 def resumed_with_servers(
-    rank: int, world: int, steps: int, inner_steps: int, stop: int, address: str
+    rank: int, world: int, steps: int, inner_steps: int, stop: int, address: str, **options: Any
 ) -> dict[str, Any]:
     """Without servers, ``steps`` steps (the reference). With the servers at
-    ``address``: ``stop`` steps (between syncs), saved per rank as ``fit`` saves
-    (model, then optimizer), closed; then fresh objects with other weights,
-    prepared against the same servers (which pull the servers' shared weights),
-    loaded, and the remaining steps."""
+    ``address``: ``stop`` steps (between syncs, or with a sync in flight under
+    ``overlap``), saved per rank as ``fit`` saves (model, then optimizer),
+    closed; then fresh objects with other weights, prepared against the same
+    servers (which pull the servers' shared weights), loaded, and the remaining
+    steps. ``options``: more of diloco's, for every run."""
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
     with gradhub.init(timeout=TIMEOUT) as runtime:
@@ -108,6 +109,7 @@ def resumed_with_servers(
                 inner_steps=inner_steps,
                 servers=servers,
                 timeout=TIMEOUT,
+                **options,
             )
             return base, model, opt
 
@@ -123,6 +125,7 @@ def resumed_with_servers(
         buffer = io.BytesIO()
         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, buffer)
         out["saved outer"] = opt.state_dict()["diloco"]["outer"]
+        out["in flight"] = model.strategy._pending is not None
         out["shared at stop"] = arrays(model.strategy.shared)
         model.close()
         base, model, opt = start(7, [address])

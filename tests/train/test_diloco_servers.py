@@ -5,6 +5,7 @@ run by the harness (real processes)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -171,19 +172,30 @@ def test_async_mode_bounds_the_staleness_of_a_slow_worker() -> None:
 
 
 @pytest.mark.slow
-def test_resume_with_servers_pulls_their_weights_and_keeps_their_outer_state() -> None:
-    """2 ranks, H = 3, AdamW inside, uneven ``set_samples``; with servers (sync),
-    stopped after step 4 (between syncs), saved per rank, closed; fresh objects
-    with other weights prepared against the same servers take the servers'
-    shared weights before any load; after loading their files and 4 more steps:
-    the uninterrupted run without servers. The file holds no outer state (the
-    servers' Nesterov momentum, had it been lost, would change the second sync).
-    Tolerance: the weighted terms, as in the sync test (16 ulps of the largest)."""
+@pytest.mark.parametrize(
+    ("inner_steps", "options"),
+    [(3, {}), (4, {"fragments": 2, "overlap": 1})],
+    ids=["between-syncs", "sync-in-flight"],
+)
+def test_resume_with_servers_pulls_their_weights_and_keeps_their_outer_state(
+    inner_steps: int, options: dict[str, Any]
+) -> None:
+    """2 ranks, AdamW inside, uneven ``set_samples``; with servers (sync), stopped
+    after step 4 (H = 3: between syncs; H = 4, two fragments, overlap 1: fragment
+    0's sync in flight, its pull waited for and saved with the shared weights),
+    saved per rank, closed; fresh objects with other weights prepared against
+    the same servers take the servers' shared weights before any load; after
+    loading their files and 4 more steps: the uninterrupted run without servers.
+    The file holds no outer state (the servers' Nesterov momentum, had it been
+    lost, would change the second sync). Tolerance: the weighted terms, as in
+    the sync test (16 ulps of the largest)."""
+    job = functools.partial(resumed_with_servers, **options)
     with servers(1, mode="sync", workers=2) as (server,):
-        ranks = run_ranks(resumed_with_servers, 2, 8, 3, 4, server.address, timeout=120)
+        ranks = run_ranks(job, 2, 8, inner_steps, 4, server.address, timeout=120)
     for r in ranks:
         v = r.value
         assert v["saved outer"] is None
+        assert v["in flight"] == bool(options)
         _close(v["pulled"], v["shared at stop"], 0.0)
         want = v["uninterrupted"]
         largest = max(float(np.abs(a).max()) for a in want["shared"])

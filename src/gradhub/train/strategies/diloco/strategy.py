@@ -325,7 +325,7 @@ class DiLoCoStrategy(Strategy):
         f = int(saved["fragment"])
         start = saved["start"]
         start = None if start is None else [t.clone() for t in start]
-        if (saved["sum"] is None) != (self.servers is None):
+        if (saved["sum"] is None) != (self.servers is not None):
             raise InvalidOptionError(
                 "this state was saved with a sync in flight "
                 f"{'without' if self.servers is not None else 'with'} servers=; it "
