@@ -82,6 +82,7 @@ from gradhub.collective import CollectiveGroup
 from gradhub.errors import CollectiveArgumentError
 from gradhub.transports import choice
 from gradhub.transports.base import Chunking, Transport
+from gradhub.transports.c10d_errors import first_line
 from gradhub.transports.operation import Operation
 
 RedOp: Any = dist.ReduceOp.RedOpType
@@ -332,7 +333,7 @@ def on_gloo(ctx: Context, name: str, call: Any, peer: int | None = None) -> None
 
 def _refused(name: str, exc: RuntimeError) -> CollectiveArgumentError:
     return CollectiveArgumentError(
-        f"{name}: {str(exc).strip()}\n- help: the gradhub backend takes what gloo takes on CPU"
+        f"{name}: {first_line(exc)}\n- help: the gradhub backend takes what gloo takes on CPU"
     )
 
 

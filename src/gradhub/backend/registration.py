@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from gradhub.backend.process_group import GradhubProcessGroup
-from gradhub.errors import RendezvousError
+from gradhub.transports.c10d_errors import rendezvous_error
 
 NAME = "gradhub"
 """The backend's name: ``dist.init_process_group("gradhub")``."""
@@ -71,10 +71,12 @@ def create(options: Any, backend_options: Any = None) -> GradhubProcessGroup:
         )
         p2p = _inner_group(f"{name}/gradhub-p2p", store, rank, size, timeout, global_ranks)
     except RuntimeError as exc:  # a peer that never came (DistError)
-        raise RendezvousError(
-            f"[rank {rank}] the gradhub process group {name!r} of {size} could not connect "
-            f"its gloo groups within {timeout.total_seconds():g}s: {str(exc).strip()}\n"
-            "- help: every rank of the group must create it within the timeout"
+        raise rendezvous_error(
+            exc,
+            what=f"[rank {rank}] the gradhub process group {name!r} of {size} could not "
+            "connect its gloo groups",
+            timeout=timeout.total_seconds(),
+            help="every rank of the group must create it within the timeout",
         ) from exc
     return GradhubProcessGroup(store, rank, size, timeout=timeout, collectives=collectives, p2p=p2p)
 

@@ -31,7 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradhub.errors import CollectiveTimeoutError, WorkerFailedError
+from gradhub.errors import CollectiveTimeoutError
+from gradhub.transports.c10d_errors import translate
 
 WAIT_GRACE = 10.0
 """Seconds a ``wait()`` without its own timeout allows beyond the operation's
@@ -124,7 +125,8 @@ class PeerWork(dist._Work):
 
     gloo bounds the message by the group's timeout; ``wait()`` turns gloo's
     error into :class:`~gradhub.errors.CollectiveTimeoutError` (timed out) or
-    :class:`~gradhub.errors.WorkerFailedError` (connection lost), naming the
+    :class:`~gradhub.errors.WorkerFailedError` (connection lost;
+    :func:`gradhub.transports.c10d_errors.translate`), naming the
     peer (``None``: any source).
     """
 
@@ -145,21 +147,10 @@ class PeerWork(dist._Work):
             else:
                 finished = self._inner.wait(timeout)
         except RuntimeError as exc:  # c10d's DistError: gloo's timeout or a lost peer
-            raise self._failure(exc) from exc
+            peers = [] if self._peer is None else [self._peer]
+            what = f"[rank {self._rank}] {self.name}"
+            raise translate(exc, what=what, timeout=self._timeout, ranks=peers) from exc
         return bool(finished)
-
-    def _failure(self, exc: RuntimeError) -> CollectiveTimeoutError | WorkerFailedError:
-        who = "any rank" if self._peer is None else f"rank {self._peer}"
-        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        if "timed out" in text.lower() or "timeout" in text.lower():
-            missing = [] if self._peer is None else [self._peer]
-            return CollectiveTimeoutError(
-                f"[rank {self._rank}] {self.name}", missing, self._timeout, text
-            )
-        return WorkerFailedError(
-            f"[rank {self._rank}] {self.name} with {who} failed: {text}\n"
-            f"- help: check the log of {who}; it died or left the group"
-        )
 
     def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
         future: torch.futures.Future[list[torch.Tensor]] = self._inner.get_future()

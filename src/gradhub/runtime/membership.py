@@ -65,6 +65,7 @@ from gradhub.errors import (
     WorkerFailedError,
 )
 from gradhub.runtime.setup import _start, _tcp_client
+from gradhub.transports.c10d_errors import first_line, is_timeout
 from gradhub.transports.group import CollectiveGroup
 
 log = logging.getLogger(__name__)
@@ -172,7 +173,7 @@ class Membership:
             try:
                 store.wait([members_key(after)], timedelta(seconds=60))
             except RuntimeError as exc:  # c10d: the wait timed out, or the store is gone
-                if "timeout" in str(exc).lower():
+                if is_timeout(exc):
                     continue
                 log.debug("[member %d] membership watch ends: %s", self.member, exc)
                 return
@@ -191,7 +192,7 @@ class Membership:
         except RuntimeError as exc:  # c10d: the store's host is gone, or the wait timed out
             raise WorkerFailedError(
                 f"[member {self.member}] the job's membership record {generation} did not "
-                f"come within {limit:g}s ({str(exc).strip().splitlines()[0]}): the "
+                f"come within {limit:g}s ({first_line(exc)}): the "
                 "launcher (gradhub run --survive), which hosts it, died or no worker died"
             ) from exc
         return Generation(generation, list(members), list(dead), bool(stop))

@@ -11,7 +11,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from gradhub.errors import LaunchEnvironmentError, RendezvousError
+from gradhub.errors import InvalidOptionError, LaunchEnvironmentError, RendezvousError
+from gradhub.transports.c10d_errors import rendezvous_error
 from gradhub.transports.choice import requested as requested_transport
 from gradhub.transports.group import CollectiveGroup
 
@@ -55,15 +56,17 @@ def pick_backend(backend: str | None, local_ranks: int = 1) -> str:
             return "gloo"
         return BOTH
     if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        raise InvalidOptionError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if "nccl" in backend and not torch.cuda.is_available():
-        raise ValueError(f"backend {backend!r} needs CUDA, which is not available; use 'gloo'")
+        raise InvalidOptionError(
+            f"backend {backend!r} needs CUDA, which is not available; use 'gloo'"
+        )
     return backend
 
 
 def _check_timeout(timeout: float | None) -> None:
     if timeout is not None and not timeout > 0:
-        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        raise InvalidOptionError(f"timeout must be > 0 seconds, got {timeout!r}")
 
 
 def _env_int(environ: Mapping[str, str], name: str, default: int) -> int:
@@ -94,12 +97,14 @@ def _launch_env(environ: Mapping[str, str]) -> tuple[int, int, int]:
 
 
 def _joined(where: str, rank: int, timeout: float, exc: RuntimeError) -> RendezvousError:
-    """c10d's error while joining the job, as ours (the one place set-up translates them)."""
-    return RendezvousError(
-        f"[rank {rank}] could not join the job through {where} within {timeout:g}s: "
-        f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}\n"
-        "- help: start every rank with the same MASTER_ADDR/MASTER_PORT and WORLD_SIZE; "
-        "rank 0 hosts the store, and every rank must start within the timeout"
+    """c10d's error while joining the job through ``where``, as ours
+    (:func:`~gradhub.transports.c10d_errors.rendezvous_error`)."""
+    return rendezvous_error(
+        exc,
+        what=f"[rank {rank}] could not join the job through {where}",
+        timeout=timeout,
+        help="start every rank with the same MASTER_ADDR/MASTER_PORT and WORLD_SIZE; "
+        "rank 0 hosts the store, and every rank must start within the timeout",
     )
 
 
@@ -217,7 +222,7 @@ def local_group(
     (default: ``GRADHUB_TRANSPORT``, else shared memory on one host, the ring across hosts).
     """
     if not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        raise InvalidOptionError(f"rank must be in [0, {world_size}), got {rank}")
     _check_timeout(timeout)
     backend = pick_backend(backend, world_size)  # every rank on this host
     limit = DEFAULT_TIMEOUT if timeout is None else float(timeout)

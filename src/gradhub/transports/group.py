@@ -25,8 +25,8 @@ Decisions:
   wrappers of one process group in creation order, and each wrapper checks
   in under its own number, so wrappers created in the same order on every
   rank (as collectives require) compare like with like.
-- **Naming who failed** (:meth:`CollectiveGroup.failure`, the one place c10d
-  errors become gradhub errors):
+- **Naming who failed** (:meth:`CollectiveGroup.failure`, where c10d's errors
+  of operations become gradhub's, through :mod:`.c10d_errors`):
 
   - an operation that runs out of time is a
     :class:`~gradhub.errors.CollectiveTimeoutError` naming the ranks that
@@ -68,11 +68,11 @@ from gradhub.errors import (
     WorkerFailedError,
 )
 from gradhub.transports.base import Transport
+from gradhub.transports.c10d_errors import RESTART, is_timeout, ranks_named, translate
 from gradhub.transports.operation import CollectiveFuture, Operation
 from gradhub.transports.stores import (
     default_store,
     device_backends,
-    is_timeout,
     process_group_timeout,
     roll_call,
     store_name,
@@ -232,8 +232,9 @@ class CollectiveGroup:
     def failure(
         self, op: Operation, peer: int | None, exc: BaseException
     ) -> CollectiveTimeoutError | WorkerFailedError:
-        """The gradhub error for a c10d error raised during ``op`` (the only place
-        c10d errors of operations are translated); the group is broken after it."""
+        """The gradhub error for a c10d error raised during ``op``: the ranks the
+        check-ins and the roll call name, through :func:`.c10d_errors.translate`
+        (a timeout at once); the group is broken after it."""
         if is_timeout(exc) or op.remaining() <= 0:
             return self.timed_out(op, peer)
         self._broken = f"{op.name} failed"
@@ -242,26 +243,23 @@ class CollectiveGroup:
         if gave_up:
             # A peer ran out of time and left: the cause is whom it waited for.
             missing = absent or gave_up
-            detail = f"rank(s) {_ranks(gave_up)} gave up waiting and left"
+            detail = f"{ranks_named(gave_up)} gave up waiting and left"
             if absent:
                 detail = f"not entered the operation; {detail}"
             return self._log(CollectiveTimeoutError(op.name, missing, op.timeout, detail))
+        what, timeout = f"[rank {self.rank}] {op.name}", op.timeout
         if silent:
-            who = _ranks(silent)
-            return self._log(
-                WorkerFailedError(
-                    f"[rank {self.rank}] rank(s) {who} died or stopped answering during "
-                    f"{op.name} ({str(exc).strip()})\n"
-                    f"- help: check the log of rank(s) {who}; restart the job "
-                    "(it resumes from the last checkpoint)"
-                )
-            )
-        who = f"rank {peer}" if peer is not None else "a peer"
+            lost = f"{ranks_named(silent)} died or stopped answering"
+            return self._log(translate(exc, what=what, timeout=timeout, ranks=silent, lost=lost))
+        who = "a peer" if peer is None else f"rank {peer}"
         return self._log(
-            WorkerFailedError(
-                f"[rank {self.rank}] {op.name}: communication with {who} failed "
-                f"({str(exc).strip()}); every rank answered the roll call afterwards. "
-                "The group is unusable: stop this process and restart the job"
+            translate(
+                exc,
+                what=what,
+                timeout=timeout,
+                lost=f"communication with {who} failed",
+                help="every rank answered the roll call afterwards: the group is unusable; "
+                "stop this process and restart the job",
             )
         )
 
@@ -348,15 +346,15 @@ class CollectiveGroup:
         try:
             self.store.set(f"checkin/{self.rank}", str(sequence))
         except RuntimeError as exc:  # c10d's DistNetworkError: the store's host is gone
-            where, text = store_name(self._base_store), str(exc).strip()
+            where = store_name(self._base_store)
             self._broken = f"{where} is unreachable"
-            cause = text.splitlines()[0] if text else type(exc).__name__
             raise self._log(
-                WorkerFailedError(
-                    f"[rank {self.rank}] cannot check in to {where} "
-                    f"({cause}): the process that hosts it (rank 0 of a launched job) "
-                    "died or left\n- help: check that process's log; restart the job "
-                    "(it resumes from the last checkpoint)"
+                translate(
+                    exc,
+                    what=f"[rank {self.rank}] cannot check in to {where}",
+                    timeout=self.timeout,
+                    lost="the process that hosts it (rank 0 of a launched job) died or left",
+                    help=f"check that process's log; {RESTART}",
                 )
             ) from exc
 
@@ -444,7 +442,3 @@ class CollectiveGroup:
             f"CollectiveGroup(rank={self.rank}, world_size={self.world_size}, "
             f"backend={self.backend!r}, timeout={self.timeout:g})"
         )
-
-
-def _ranks(ranks: list[int]) -> str:
-    return ", ".join(str(r) for r in ranks)

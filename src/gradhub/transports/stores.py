@@ -78,11 +78,6 @@ def job_store(store: dist.Store) -> dist.Store:
     return dist.PrefixStore("gradhub/job/", store)
 
 
-def is_timeout(exc: BaseException) -> bool:
-    text = str(exc).lower()
-    return "timed out" in text or "timeout" in text
-
-
 def roll_call(
     store: dist.Store, rank: int, world_size: int, sequence: int, timeout: float
 ) -> tuple[list[int], list[int]]:

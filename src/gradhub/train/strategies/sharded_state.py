@@ -53,7 +53,9 @@ import torch
 import torch.distributed as dist
 
 from gradhub.collective.sharded_optimizer import ShardedOptimizer
-from gradhub.errors import CollectiveTimeoutError, StateError
+from gradhub.errors import InvalidOptionError, StateError
+from gradhub.transports.c10d_errors import RESTART, is_timeout, translate
+from gradhub.transports.stores import store_name
 
 log = logging.getLogger("gradhub.train")
 
@@ -143,12 +145,13 @@ def plain_state_dict(
 
 
 def check_groups(state: dict[str, Any], live_groups: list[dict[str, Any]]) -> None:
-    """A state dict of another optimizer layout is a ``ValueError`` saying how."""
+    """A state dict of another optimizer layout is an :class:`InvalidOptionError`
+    (a ``ValueError``) saying how."""
     saved = state["param_groups"]
     if len(saved) != len(live_groups) or any(
         len(s["params"]) != len(g["params"]) for s, g in zip(saved, live_groups, strict=True)
     ):
-        raise ValueError(
+        raise InvalidOptionError(
             "the optimizer state dict does not match this optimizer's parameter groups "
             f"({[len(s['params']) for s in saved]} parameters per group vs "
             f"{[len(g['params']) for g in live_groups]})"
@@ -242,16 +245,17 @@ class ShardResponder:
         keys = {r: f"resp/{r}/{t}" for r, t in tickets.items()}
         try:
             store.wait(list(keys.values()), timedelta(seconds=self.timeout))
-        except RuntimeError as exc:  # DistStoreError: a timeout, or the store failed
-            missing = [r for r, k in keys.items() if not store.check([k])]
-            if not missing or "timeout" not in str(exc).lower():
-                raise StateError(f"[rank {self.rank}] {what}: the store failed ({exc})") from exc
-            raise CollectiveTimeoutError(
-                f"{what} on rank {self.rank}",
-                missing,
-                self.timeout,
-                "their part of the sharded optimizer state; is the rank alive with its "
+        except RuntimeError as exc:  # DistStoreError: a timeout, or the store's host is gone
+            late = [r for r, k in keys.items() if not store.check([k])] if is_timeout(exc) else []
+            raise translate(
+                exc,
+                what=f"{what} on rank {self.rank}",
+                timeout=self.timeout,
+                ranks=late,
+                lost=f"{store_name(store)} failed: the process that hosts it died or left",
+                detail="their part of the sharded optimizer state; is the rank alive with its "
                 "prepared model still open?",
+                help=f"check that process's log; {RESTART}",
             ) from exc
         out = {}
         for r, key in keys.items():
@@ -275,7 +279,7 @@ class ShardResponder:
                 store.wait([key], _IDLE)
                 requester = store.get(key).decode()
             except RuntimeError as exc:  # a timeout (wait again) or the store went away
-                if self._stopping or "timeout" not in str(exc).lower():
+                if self._stopping or not is_timeout(exc):
                     log.debug("[rank %d] shard responder ends: %s", self.rank, exc)
                     return
                 continue

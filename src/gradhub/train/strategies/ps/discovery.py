@@ -22,8 +22,9 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from gradhub import codecs
-from gradhub.errors import LaunchEnvironmentError, RendezvousError
+from gradhub.errors import InvalidOptionError, LaunchEnvironmentError
 from gradhub.ps.client.addresses import ADDRESSES_KEY
+from gradhub.transports.c10d_errors import rendezvous_error
 
 """Key in the launcher's c10d store under which ``gradhub run --servers`` puts
 the parameter-server addresses (a JSON list of ZeroMQ endpoints)."""
@@ -46,9 +47,9 @@ class PSConfig:
         if isinstance(self.servers, str):
             self.servers = [self.servers]
         if self.servers is not None and not self.servers:
-            raise ValueError("servers is an empty list; give at least one address or None")
+            raise InvalidOptionError("servers is an empty list; give at least one address or None")
         if not self.timeout > 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {self.timeout}")
+            raise InvalidOptionError(f"timeout must be > 0 seconds, got {self.timeout}")
         codecs.check(self.compress, for_="ps-async/ps-sync/ps-ssp")
 
 
@@ -64,15 +65,16 @@ def published_addresses(timeout: float = 10.0) -> list[str] | None:
     where = f"the launcher's store at {host}:{port}"
     try:
         store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout))
-    except (RuntimeError, ValueError) as exc:  # DistNetworkError is a RuntimeError
-        raise RendezvousError(
-            f"{where} did not answer within {timeout:g}s while looking for the parameter-"
-            f"server addresses ({type(exc).__name__}: {str(exc).splitlines()[0]})\n"
-            "- help: check MASTER_ADDR/MASTER_PORT, or pass servers=['tcp://HOST:PORT', ...]"
+    except (RuntimeError, ValueError) as exc:  # DistNetworkError; a port that is no number
+        raise rendezvous_error(
+            exc,
+            what=f"looking for the parameter-server addresses, {where} did not answer",
+            timeout=timeout,
+            help="check MASTER_ADDR/MASTER_PORT, or pass servers=['tcp://HOST:PORT', ...]",
         ) from exc
     try:
         store.wait([ADDRESSES_KEY], timedelta(seconds=timeout))
-    except (RuntimeError, dist.DistError):
+    except RuntimeError:  # c10d's DistStoreError: the wait timed out
         return None  # the store answers and holds none: no servers were published
     try:
         raw = store.get(ADDRESSES_KEY)
