@@ -61,6 +61,7 @@ import torch.distributed as dist
 from gradhub.errors import (
     ClosedError,
     CollectiveTimeoutError,
+    InvalidOptionError,
     LaunchEnvironmentError,
     RendezvousError,
     WorkerFailedError,
@@ -178,7 +179,9 @@ class Runtime:
         if kind == "cpu":
             return torch.device("cpu")
         if kind != "cuda" or not torch.cuda.is_available():
-            raise ValueError(f"device must be 'cpu' or 'cuda' (with CUDA available), got {kind!r}")
+            raise InvalidOptionError(
+                f"device must be 'cpu' or 'cuda' (with CUDA available), got {kind!r}"
+            )
         return torch.device("cuda", self.local_rank % torch.cuda.device_count())
 
     @property
@@ -273,6 +276,8 @@ class Runtime:
         if self._waits is not None:
             self._waits.close()
         self.group.close()
+        if self.membership is not None:
+            self.membership.close()
 
     def __enter__(self) -> Runtime:
         return self

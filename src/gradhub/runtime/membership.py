@@ -48,6 +48,7 @@ only that worker; the others go on:
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import threading
@@ -139,6 +140,11 @@ class Generation:
     """Fewer members than the job's minimum: the job ends."""
 
 
+WATCH_SLICE = 1.0
+"""Seconds the watcher waits for the next generation's record before it looks
+whether it is to stop (the membership is closing)."""
+
+
 class Membership:
     """This worker's view of a surviving job's membership (see the module docstring)."""
 
@@ -153,11 +159,23 @@ class Membership:
         self.dead: list[int] = []
         """Every member that has left the job, in the order they left."""
         self._seen = 0
+        self._closing = False
+        self._thread: threading.Thread | None = None
         if watch is not None:
-            thread = threading.Thread(
+            self._thread = threading.Thread(
                 target=self._watch, args=(watch,), name="gradhub-membership", daemon=True
             )
-            thread.start()
+            self._thread.start()
+            # A thread still inside a store call when the interpreter exits aborts the
+            # process (c10d's objects are destroyed under it): stop it first.
+            atexit.register(self.close)
+
+    def close(self) -> None:
+        """Stop the watcher thread (within :data:`WATCH_SLICE` seconds). Idempotent."""
+        self._closing = True
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(2 * WATCH_SLICE)
+            self._thread = None
 
     @property
     def pending(self) -> bool:
@@ -168,10 +186,10 @@ class Membership:
     def _watch(self, store: dist.Store) -> None:
         """Wait, in the kernel, for each next generation's record; on a connection
         of its own (a blocking wait would hold the one the collectives check in on)."""
-        while True:
+        while not self._closing:
             after = max(self._seen, self.generation) + 1
             try:
-                store.wait([members_key(after)], timedelta(seconds=60))
+                store.wait([members_key(after)], timedelta(seconds=WATCH_SLICE))
             except RuntimeError as exc:  # c10d: the wait timed out, or the store is gone
                 if is_timeout(exc):
                     continue
