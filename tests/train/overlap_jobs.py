@@ -2,9 +2,10 @@
 
 The model is a chain of blocks whose backward sleeps a fixed time, leaving
 the CPU idle as a GPU kernel keeps the host waiting. Each block holds one
-parameter of exactly one bucket. Every reduce-scatter and all-gather the
-shared-memory transport runs is recorded with its start and end, beside
-the start of each block's backward.
+parameter of exactly one bucket. Every reduce-scatter, all-gather and
+all-reduce the shared-memory transport runs (an all-reduce once, also where
+it runs as the other two) is recorded with its start and end, beside the
+start of each block's backward.
 """
 
 from __future__ import annotations
@@ -50,15 +51,20 @@ def sleeping_model(log: list[Any], blocks: int = BLOCKS) -> nn.Sequential:
 def _record_transport(log: list[Any]) -> None:
     from gradhub.transports.shm import ShmTransport
 
-    for name in ("reduce_scatter", "all_gather"):
+    depth = [0]  # an all_reduce may run as a reduce_scatter and an all_gather: log it once
+
+    for name in ("reduce_scatter", "all_gather", "all_reduce"):
         method = getattr(ShmTransport, name)
 
         def recorded(self: Any, *args: Any, _m: Any = method, _n: str = name, **kw: Any) -> Any:
             begin = time.monotonic()
+            depth[0] += 1
             try:
                 return _m(self, *args, **kw)
             finally:
-                log.append((_n, begin, time.monotonic()))
+                depth[0] -= 1
+                if not depth[0]:
+                    log.append((_n, begin, time.monotonic()))
 
         setattr(ShmTransport, name, recorded)
 

@@ -20,7 +20,7 @@ from gradhub.ps.server.launch import ServerHandle, start_server
 from harness import run_ranks
 from host_sync_jobs import count_reads, steady_step_reads
 
-_PAYLOAD = "gradhub/ps/protocol/"  # a push's bytes on their way to the wire
+_PAYLOAD = "gradhub/ps/wire/protocol/"  # a push's bytes on their way to the wire
 
 
 def _reads_inside_the_step(reads: dict[str, int]) -> dict[str, int]:

@@ -26,7 +26,8 @@ def test_first_buckets_are_reduced_before_the_backward_reaches_the_first_block(
         backward, calls = r.value["backward"], r.value["calls"]
         assert sorted(backward) == list(range(BLOCKS))
         last_block_starts = backward[0]  # block 0's backward runs last
-        scatters = [(a, b) for kind, a, b in calls if kind == "reduce_scatter"]
+        # A bucket's sum: a reduce-scatter, or a whole all-reduce (small plain vectors).
+        scatters = [(a, b) for kind, a, b in calls if kind in ("reduce_scatter", "all_reduce")]
         assert len(scatters) >= BLOCKS, f"rank {r.rank}: {calls}"
         before = [(a, b) for a, b in scatters if b < last_block_starts]
         # Blocks BLOCKS-1 .. 2 finished their backward (and their buckets'
