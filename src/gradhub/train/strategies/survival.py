@@ -115,18 +115,9 @@ class Survival:
     def _failed(self, exc: BaseException) -> None:
         """A peer failure during the step's communication: raised without survival,
         else recorded (the step is then trained again)."""
-        if self._runtime_survives():
-            self._failure = exc
-        else:
+        if not self.runtime.survive:
             raise exc
-
-    def _runtime_survives(self) -> bool:
-        return self.runtime.survive
-
-    @property
-    def step_failed(self) -> bool:
-        """Whether a peer's death interrupted the current step (so far)."""
-        return self._failure is not None
+        self._failure = exc
 
     def _take_share(self) -> None:
         """A synchronising backward starts: take the share of a global batch it
