@@ -40,7 +40,9 @@ strategy (one module each):
 - A peer that dies or stops answering makes a step raise
   :class:`~gradhub.errors.WorkerFailedError` naming it, or
   :class:`~gradhub.errors.CollectiveTimeoutError`, within the runtime's
-  timeout: never a hang.
+  timeout: never a hang. In a surviving job (``gradhub run --survive``) the
+  step applies nothing instead and the job goes on over the survivors
+  (:mod:`.survival`; a strategy says so with ``survives`` and ``_rebind``).
 
 DDP's loop, line by line (decisions; DDP's documentation is the spec):
 
@@ -76,7 +78,14 @@ from typing import Any, ClassVar
 
 import torch
 
-from gradhub.errors import ClosedError, MisuseError, StateError, UnsupportedByStrategyError
+from gradhub.errors import (
+    ClosedError,
+    InvalidOptionError,
+    MisuseError,
+    StateError,
+    UnsupportedByStrategyError,
+    WrongTypeError,
+)
 from gradhub.runtime import Runtime
 from gradhub.train.ddp_options import DDPOptions
 from gradhub.train.strategies.forward import ForwardSide
@@ -159,15 +168,15 @@ class Strategy(LossScaling, ForwardSide, Survival, abc.ABC):
         runtime.check_open()
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
-            raise ValueError("the model has no parameters that require gradients")
+            raise InvalidOptionError("the model has no parameters that require gradients")
         held = [id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]]
         if len(held) != len(set(held)):
-            raise ValueError(
+            raise InvalidOptionError(
                 "a parameter is in two optimizers (or twice in one)\n- help: give each "
                 "optimizer its own parameters"
             )
         if optimizers and not self.several_optimizers and set(map(id, self.params)) - set(held):
-            raise ValueError(
+            raise InvalidOptionError(
                 "the optimizer does not hold every trainable parameter of the model\n"
                 "- help: build it over model.parameters() before gradhub.prepare, or "
                 "use strategy='allreduce'"
@@ -186,12 +195,14 @@ class Strategy(LossScaling, ForwardSide, Survival, abc.ABC):
     def _check_optimizers(self, optimizer: Optimizers) -> list[torch.optim.Optimizer]:
         if optimizer is None:
             if self.needs_optimizer:
-                raise ValueError(f"strategy {self.name!r} needs the training script's optimizer")
+                raise InvalidOptionError(
+                    f"strategy {self.name!r} needs the training script's optimizer"
+                )
             return []
         many: list[Any] = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
         for opt in many:
             if not isinstance(opt, torch.optim.Optimizer):
-                raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(opt)!r}")
+                raise WrongTypeError(f"an optimizer is a torch.optim.Optimizer, got {type(opt)!r}")
         if len(many) != 1 and not self.several_optimizers:
             raise UnsupportedByStrategyError(
                 f"strategy {self.name!r} takes one optimizer, got {len(many)}\n- help: one "
@@ -215,12 +226,7 @@ class Strategy(LossScaling, ForwardSide, Survival, abc.ABC):
 
     def set_samples(self, samples: int, global_samples: int | None = None) -> None:
         """Weight this rank by ``samples`` in the next step (see the module docstring)."""
-        bad_total = global_samples is not None and (global_samples <= 0 or samples > global_samples)
-        if samples < 0 or bad_total:
-            raise ValueError(
-                f"need 0 <= samples <= global_samples and global_samples > 0, "
-                f"got samples={samples}, global_samples={global_samples}"
-            )
+        self._check_counts(samples, global_samples)
         self._samples = (int(samples), None if global_samples is None else int(global_samples))
 
     def _on_grad(self, p: torch.Tensor) -> None:
@@ -414,9 +420,10 @@ class Strategy(LossScaling, ForwardSide, Survival, abc.ABC):
             return n / total, False
         return float(n), True
 
-    def _check_counts(self, samples: int, global_samples: int) -> None:
-        if samples < 0 or global_samples <= 0 or samples > global_samples:
-            raise ValueError(
+    def _check_counts(self, samples: int, global_samples: int | None) -> None:
+        bad_total = global_samples is not None and (global_samples <= 0 or samples > global_samples)
+        if samples < 0 or bad_total:
+            raise InvalidOptionError(
                 f"need 0 <= samples <= global_samples and global_samples > 0, "
                 f"got samples={samples}, global_samples={global_samples}"
             )
