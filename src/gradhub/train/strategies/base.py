@@ -40,9 +40,8 @@ strategy (one module each):
 - A peer that dies or stops answering makes a step raise
   :class:`~gradhub.errors.WorkerFailedError` naming it, or
   :class:`~gradhub.errors.CollectiveTimeoutError`, within the runtime's
-  timeout: never a hang. In a surviving job (``gradhub run --survive``) the
-  step applies nothing instead and the job goes on over the survivors
-  (:mod:`.survival`; a strategy says so with ``survives`` and ``_rebind``).
+  timeout: never a hang. In a surviving job (``gradhub run --survive``) the step
+  applies nothing instead, and the job goes on over the survivors (:mod:`.survival`).
 
 DDP's loop, line by line (decisions; DDP's documentation is the spec):
 
