@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
+from gradhub.errors import UnsupportedOptionError
+
 C = TypeVar("C")
 
 
@@ -14,5 +16,5 @@ def config_or_options(cls: type[C], config: C | None, options: Mapping[str, Any]
     Both at once is a ``TypeError``: one source for each setting.
     """
     if config is not None and options:
-        raise TypeError("pass either config= or keyword options, not both")
+        raise UnsupportedOptionError("pass either config= or keyword options, not both")
     return config if config is not None else cls(**options)

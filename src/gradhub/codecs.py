@@ -49,6 +49,8 @@ from collections.abc import Collection
 
 import torch
 
+from gradhub.errors import InvalidOptionError
+
 FP16_MAX = 65504.0
 
 
@@ -275,7 +277,7 @@ def available(kind: str = WIRE) -> list[str]:
         return [name for name, c in _CODECS.items() if c.elementwise]
     if kind == TENSOR:
         return list(_CODECS)
-    raise ValueError(
+    raise InvalidOptionError(
         f"unknown kind {kind!r}; choose {WIRE!r} or {TENSOR!r} "
         "(the bucket reducers are gradhub.train.reducers.available())"
     )
@@ -298,7 +300,7 @@ def check(name: object, *, for_: str, reducers: Collection[str] = ()) -> str:
         if codec is not None and (codec.elementwise or kind == TENSOR):
             return codec.name
         if codec is not None:
-            raise ValueError(
+            raise InvalidOptionError(
                 f"compress={codec.name!r} is a tensor codec (blocks of values with a scale "
                 f"each, decoded whole); {for_} takes elementwise codecs only (its wire is cut into "
                 f"slices)\n- help: choose one of "
@@ -308,7 +310,7 @@ def check(name: object, *, for_: str, reducers: Collection[str] = ()) -> str:
     elif isinstance(name, str) and name in names:
         return name
     extra = "; gradhub.train.reducers.register adds one" if kind == BUCKET else ""
-    raise ValueError(
+    raise InvalidOptionError(
         f"unknown compress={name!r} for {for_}\n"
         f"- help: choose one of {', '.join(names)} ({kind}s{extra})"
     )
@@ -345,7 +347,7 @@ class ErrorFeedback:
         if self.residual is None:
             self.residual = torch.zeros_like(value)
         elif self.residual.shape != value.shape:
-            raise ValueError(
+            raise InvalidOptionError(
                 f"error feedback stream has shape {list(self.residual.shape)}, "
                 f"got {list(value.shape)}; use one ErrorFeedback per buffer"
             )

@@ -160,10 +160,12 @@ class UnsupportedOptionError(GradhubError, TypeError):
 
 
 class InvalidOptionError(GradhubError, ValueError):
-    """A strategy option with a value it cannot take (``inner_steps=0``, an
-    ``outer_optimizer`` that is not a callable returning a ``torch.optim``
-    optimizer over the parameters it is given); raised by ``gradhub.prepare``
-    before anything changes, the message says what is allowed."""
+    """An option or argument with a value it cannot take: a strategy option
+    (``inner_steps=0``, an ``outer_optimizer`` that is not a callable returning
+    a ``torch.optim`` optimizer over the parameters it is given; raised by
+    ``gradhub.prepare`` before anything changes), a config field, a
+    ``gradhub run`` flag, an argument of a public function (a timeout that is
+    not > 0, a rank outside the world); the message says what is allowed."""
 
 
 class ReplicasDivergedError(GradhubError, RuntimeError):
@@ -249,3 +251,10 @@ class MembershipChangedError(WorkerFailedError):
     """A surviving job's membership changed again (another worker died) while the
     survivors gathered for the group of the previous change: they rebuild over
     the newer membership instead (handled inside gradhub; seen only in logs)."""
+
+
+class WrongTypeError(GradhubError, TypeError):
+    """An argument of a type the function does not take (a model that is not a
+    ``torch.nn.Module``, an optimizer name that is not a ``str``, a batch whose
+    size cannot be told); the message names the type given and the one
+    expected."""

@@ -46,7 +46,12 @@ from typing import Any
 
 import torch
 
-from gradhub.errors import UnsupportedByStrategyError
+from gradhub.errors import (
+    InvalidOptionError,
+    UnsupportedByStrategyError,
+    UnsupportedOptionError,
+    WrongTypeError,
+)
 
 OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 """A callable that builds an optimizer over a list of tensors."""
@@ -72,12 +77,12 @@ def _torch_optimizers() -> dict[str, type[torch.optim.Optimizer]]:
 def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
     """The ``torch.optim`` class called ``name`` (case-insensitive: ``"adamw"`` works)."""
     if not isinstance(name, str):
-        raise TypeError(f"an optimizer name is a str, got {type(name).__name__}")
+        raise WrongTypeError(f"an optimizer name is a str, got {type(name).__name__}")
     known = _torch_optimizers()
     by_lower = {k.lower(): v for k, v in known.items()}
     cls = by_lower.get(name.lower())
     if cls is None:
-        raise ValueError(
+        raise InvalidOptionError(
             f"unknown optimizer {name!r}; use a torch.optim class name: {', '.join(sorted(known))}"
         )
     return cls
@@ -87,17 +92,17 @@ def wire_value(key: str, value: Any) -> Any:
     """``value`` of hyperparameter ``key`` as a JSON value (see the module docstring)."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
-            raise TypeError(f"hyperparameter {key!r} is a tensor of {value.numel()} elements")
+            raise WrongTypeError(f"hyperparameter {key!r} is a tensor of {value.numel()} elements")
         return float(value.item())
     if value is None or isinstance(value, bool | int | str):
         return value
     if isinstance(value, float):
         if not math.isfinite(value):
-            raise ValueError(f"hyperparameter {key!r} is {value}; it must be finite")
+            raise InvalidOptionError(f"hyperparameter {key!r} is {value}; it must be finite")
         return value
     if isinstance(value, list | tuple):
         return tuple(wire_value(key, v) for v in value)
-    raise TypeError(
+    raise WrongTypeError(
         f"hyperparameter {key!r} of type {type(value).__name__} cannot be sent to a server; "
         "use numbers, booleans, strings or tuples of them"
     )
@@ -129,7 +134,7 @@ class OptimizerSpec:
         cls = optimizer_class(self.name)
         object.__setattr__(self, "name", cls.__name__)
         if not self.groups:
-            raise ValueError("an OptimizerSpec needs at least one parameter group")
+            raise InvalidOptionError("an OptimizerSpec needs at least one parameter group")
         object.__setattr__(self, "groups", tuple(wire_hyperparameters(g) for g in self.groups))
 
     @classmethod
@@ -145,11 +150,13 @@ class OptimizerSpec:
         """
         if isinstance(optimizer, OptimizerSpec):
             if hyperparameters:
-                raise TypeError("hyperparameters are given with a class or name, not a spec")
+                raise UnsupportedOptionError(
+                    "hyperparameters are given with a class or name, not a spec"
+                )
             return optimizer
         if isinstance(optimizer, torch.optim.Optimizer):
             if hyperparameters:
-                raise TypeError(
+                raise UnsupportedOptionError(
                     "hyperparameters are given with a class or name; an optimizer "
                     "instance carries its own"
                 )
@@ -159,7 +166,7 @@ class OptimizerSpec:
             _check_torch_class(optimizer)
             optimizer = optimizer.__name__
         if not isinstance(optimizer, str):
-            raise TypeError(
+            raise WrongTypeError(
                 "an optimizer is a torch.optim.Optimizer instance, class or name, "
                 f"got {type(optimizer).__name__}"
             )
@@ -167,7 +174,7 @@ class OptimizerSpec:
         try:
             built = optimizer_class(optimizer)([probe], **hyperparameters)
         except TypeError as exc:
-            raise TypeError(f"{optimizer}: {exc}") from exc
+            raise UnsupportedOptionError(f"{optimizer}: {exc}") from exc
         return cls(type(built).__name__, tuple(built.param_groups))
 
     @property
@@ -191,7 +198,7 @@ class OptimizerSpec:
         nested = bool(params) and not isinstance(params[0], torch.Tensor)
         lists: list[list[Any]] = [list(g) for g in params] if nested else [list(params)]
         if nested and len(lists) != len(self.groups):
-            raise ValueError(
+            raise InvalidOptionError(
                 f"{len(lists)} parameter groups given, the {self.name} spec has {len(self.groups)}"
             )
         accepted = set(inspect.signature(self.cls.__init__).parameters) - {"self", "params"}
@@ -225,7 +232,9 @@ class OptimizerSpec:
     def from_dict(cls, data: Mapping[str, Any]) -> OptimizerSpec:
         """The spec :meth:`to_dict` wrote."""
         if not isinstance(data, Mapping) or set(data) != {"name", "groups"}:
-            raise ValueError(f"an optimizer spec is {{'name': ..., 'groups': [...]}}, got {data!r}")
+            raise InvalidOptionError(
+                f"an optimizer spec is {{'name': ..., 'groups': [...]}}, got {data!r}"
+            )
         groups = tuple({k: from_wire(v) for k, v in dict(g).items()} for g in data["groups"])
         return cls(str(data["name"]), groups)
 

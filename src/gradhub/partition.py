@@ -8,19 +8,23 @@ partitions are empty, which every caller must handle.
 
 from __future__ import annotations
 
+from gradhub.errors import InvalidOptionError
+
 
 def _validate(size: int, num_partitions: int) -> None:
     if size < 0:
-        raise ValueError(f"size must be >= 0, got {size}")
+        raise InvalidOptionError(f"size must be >= 0, got {size}")
     if num_partitions < 1:
-        raise ValueError(f"num_partitions must be >= 1, got {num_partitions}")
+        raise InvalidOptionError(f"num_partitions must be >= 1, got {num_partitions}")
 
 
 def partition_range(size: int, num_partitions: int, partition_id: int) -> tuple[int, int]:
     """Return ``(start, length)`` of partition ``partition_id``."""
     _validate(size, num_partitions)
     if not 0 <= partition_id < num_partitions:
-        raise ValueError(f"partition_id must be in [0, {num_partitions}), got {partition_id}")
+        raise InvalidOptionError(
+            f"partition_id must be in [0, {num_partitions}), got {partition_id}"
+        )
     q, r = divmod(size, num_partitions)
     return partition_id * q + min(partition_id, r), q + (1 if partition_id < r else 0)
 
@@ -40,7 +44,7 @@ def segment_ranges(
     partition with nothing there gets an empty range at its place)."""
     _validate(size, num_partitions)
     if offset < 0 or length < 0 or offset + length > size:
-        raise ValueError(f"segment [{offset}, {offset + length}) is not inside [0, {size})")
+        raise InvalidOptionError(f"segment [{offset}, {offset + length}) is not inside [0, {size})")
     out = []
     for s, n in partition_ranges(size, num_partitions):
         a, b = max(s, offset), min(s + n, offset + length)

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
-from gradhub.errors import ShapeMismatchError
+from gradhub.errors import ShapeMismatchError, WrongTypeError
 
 Tree: TypeAlias = Any
 """A tensor, a NumPy array, or a list/tuple/dict nesting of them."""
@@ -117,7 +117,7 @@ def as_tree(tree: Tree, *, path: str = ROOT) -> Tree:
     if isinstance(tree, (list, tuple)):
         items = [as_tree(v, path=_child_path(path, i)) for i, v in enumerate(tree)]
         return items if isinstance(tree, list) else tuple(items)
-    raise TypeError(
+    raise WrongTypeError(
         f"expected a tensor, NumPy array, list, tuple or dict at {path}, got {type(tree).__name__}"
     )
 

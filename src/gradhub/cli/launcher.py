@@ -58,6 +58,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from gradhub.cli.nodes import NodePlace, locate
+from gradhub.errors import InvalidOptionError
 from gradhub.ps.client.addresses import ADDRESSES_KEY
 from gradhub.ps.server.config import ServerConfig
 from gradhub.runtime import free_loopback_port
@@ -107,39 +108,43 @@ class LaunchConfig:
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
-            raise ValueError(f"-n/--nproc must be >= 1, got {self.nproc}")
+            raise InvalidOptionError(f"-n/--nproc must be >= 1, got {self.nproc}")
         if self.nnodes < 1:
-            raise ValueError(f"--nnodes must be >= 1, got {self.nnodes}")
+            raise InvalidOptionError(f"--nnodes must be >= 1, got {self.nnodes}")
         if not 0 <= self.node_rank < self.nnodes:
-            raise ValueError(f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}")
+            raise InvalidOptionError(
+                f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}"
+            )
         if self.rdzv_backend not in ("c10d", "static"):
-            raise ValueError(
+            raise InvalidOptionError(
                 f"--rdzv-backend must be 'c10d' or 'static', got {self.rdzv_backend!r}"
             )
         if self.nnodes > 1 and not self.rdzv_endpoint:
-            raise ValueError(
+            raise InvalidOptionError(
                 "--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)"
             )
         if self.nnodes > 1 and self.master_port is not None:
-            raise ValueError("--master-port is for one node; across nodes give --rdzv-endpoint")
+            raise InvalidOptionError(
+                "--master-port is for one node; across nodes give --rdzv-endpoint"
+            )
         if self.nnodes > 1 and self.servers and self.server.secret is None:
-            raise ValueError(
+            raise InvalidOptionError(
                 "parameter servers of a multi-node job listen on this node's network address; "
                 "give them a shared secret (--ps-secret-file), and the workers the same one"
             )
         if self.max_restarts < 0:
-            raise ValueError(
+            raise InvalidOptionError(
                 f"--max-restarts must be >= 0, got {self.max_restarts}\n- help: 0 ends the "
                 "job at the first failed worker; N > 0 restarts the workers up to N times"
             )
         if self.survive:
             self._check_survive()
         elif self.min_workers != 1:
-            raise ValueError("--min-workers is for surviving jobs; add --survive")
+            raise InvalidOptionError("--min-workers is for surviving jobs; add --survive")
         if self.servers < 0:
-            raise ValueError(f"--servers must be >= 0, got {self.servers}")
+            raise InvalidOptionError(f"--servers must be >= 0, got {self.servers}")
         if not self.target:
-            raise ValueError("give the script to run (and its arguments)")
+            raise InvalidOptionError("give the script to run (and its arguments)")
         if not self.module and not Path(self.target[0]).is_file():
             raise FileNotFoundError(
                 f"script {self.target[0]!r} not found\n- help: give the path of a Python "
@@ -149,12 +154,12 @@ class LaunchConfig:
     def _check_survive(self) -> None:
         workers = self.nproc * self.nnodes
         if not 1 <= self.min_workers <= workers:
-            raise ValueError(
+            raise InvalidOptionError(
                 f"--min-workers must be in [1, {workers}] (the workers started), "
                 f"got {self.min_workers}"
             )
         if self.servers > 0:
-            raise ValueError(
+            raise InvalidOptionError(
                 "--survive does not take --servers yet: it keeps the workers running over a "
                 "dead one's loss under the strategy that keeps its state in the workers "
                 "(allreduce)\n- help: drop --survive for a job that restarts from its "
@@ -304,7 +309,7 @@ def launch(config: LaunchConfig) -> int:
                 if place is None:
                     return supervise(config, logs, "127.0.0.1", port, hosting=True)
                 if place.is_host != (config.node_rank == 0):
-                    raise ValueError(
+                    raise InvalidOptionError(
                         "--survive across nodes: node 0 keeps the membership, so "
                         "--rdzv-endpoint must be node 0's address"
                     )

@@ -25,6 +25,8 @@ import socket
 import struct
 from dataclasses import dataclass
 
+from gradhub.errors import InvalidOptionError, LaunchEnvironmentError
+
 DEFAULT_RDZV_PORT = 29400
 """torchrun's default port of the c10d rendezvous endpoint."""
 
@@ -53,7 +55,7 @@ def split_endpoint(endpoint: str, default_port: int = DEFAULT_RDZV_PORT) -> tupl
     """``"HOST:PORT"`` (or ``"HOST"``, or ``"[v6]:PORT"``) as ``(host, port)``."""
     text = endpoint.strip()
     if not text:
-        raise ValueError("the rendezvous endpoint is empty; give HOST:PORT")
+        raise InvalidOptionError("the rendezvous endpoint is empty; give HOST:PORT")
     if text.startswith("["):
         host, _, rest = text[1:].partition("]")
         port_text = rest[1:] if rest.startswith(":") else ""
@@ -62,11 +64,13 @@ def split_endpoint(endpoint: str, default_port: int = DEFAULT_RDZV_PORT) -> tupl
     else:
         host, port_text = text, ""
     if not host:
-        raise ValueError(f"rendezvous endpoint {endpoint!r} has no host; give HOST:PORT")
+        raise InvalidOptionError(f"rendezvous endpoint {endpoint!r} has no host; give HOST:PORT")
     if not port_text:
         return host, default_port
     if not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise ValueError(f"rendezvous endpoint {endpoint!r} has no valid port; give HOST:PORT")
+        raise InvalidOptionError(
+            f"rendezvous endpoint {endpoint!r} has no valid port; give HOST:PORT"
+        )
     return host, int(port_text)
 
 
@@ -90,7 +94,7 @@ def locate(endpoint: str, *, node_rank: int = 0) -> NodePlace:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
     except socket.gaierror as exc:
-        raise ValueError(
+        raise InvalidOptionError(
             f"cannot resolve the rendezvous endpoint's host {host!r}: {exc}\n"
             "- help: give its IP address in --rdzv-endpoint"
         ) from None
@@ -100,7 +104,7 @@ def locate(endpoint: str, *, node_rank: int = 0) -> NodePlace:
         try:
             s.connect((endpoint_addr, port))  # a route lookup: nothing is sent
         except OSError as exc:
-            raise ValueError(
+            raise LaunchEnvironmentError(
                 f"no route from this node to the rendezvous endpoint {host}:{port}: {exc}"
             ) from None
         local_addr = str(s.getsockname()[0])

@@ -7,7 +7,7 @@ every rank, so all raise), not a hang on some.
 
 from __future__ import annotations
 
-from gradhub.errors import ShapeMismatchError
+from gradhub.errors import InvalidOptionError, ShapeMismatchError
 
 
 def check_agreement(rows: list[list[int]], size: int, codec: str, rank: int) -> None:
@@ -22,7 +22,7 @@ def check_agreement(rows: list[list[int]], size: int, codec: str, rank: int) -> 
             "size",
         )
     if len({row[2] for row in rows}) > 1:
-        raise ValueError(
+        raise InvalidOptionError(
             f"[rank {rank}] AllReduceParameter codecs differ between ranks "
             f"(this rank: {codec!r}); pass the same compress= on every rank"
         )

@@ -69,7 +69,7 @@ from gradhub.collective.collectives import (
     run_shared_vectors,
 )
 from gradhub.collective.flat_views import bind_views, occupies
-from gradhub.errors import ClosedError, StateError
+from gradhub.errors import ClosedError, InvalidOptionError, StateError, WrongTypeError
 from gradhub.partition import partition_range, segment_ranges
 from gradhub.transports.group import CollectiveFuture, CollectiveGroup
 from gradhub.trees import Tree, TreeSpec, as_tree
@@ -101,9 +101,9 @@ class AllReduceParameter:
         device: torch.device | str | None = None,
     ):
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-            raise ValueError(f"size must be an int >= 0, got {size!r}")
+            raise InvalidOptionError(f"size must be an int >= 0, got {size!r}")
         if timeout is not None and not timeout > 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+            raise InvalidOptionError(f"timeout must be > 0 seconds, got {timeout!r}")
         self.group = CollectiveGroup.of(group)
         self._owns_group = self.group is not group  # a wrapper made here is closed with self
         self.codec = codecs.get(compress, for_="AllReduceParameter")
@@ -342,12 +342,12 @@ class AllReduceParameter:
         self._check_ready("put_gradient_segment")
         n = segment.numel()
         if offset < 0 or offset + n > self.size or self._covered + n > self.size:
-            raise ValueError(
+            raise InvalidOptionError(
                 f"[rank {self.partition_id}] segment [{offset}, {offset + n}) does not fit "
                 f"the {self.size - self._covered} elements of {self.size} not yet put"
             )
         if segment.dtype != torch.float32 or not segment.is_contiguous():
-            raise TypeError("put_gradient_segment takes a contiguous float32 tensor")
+            raise WrongTypeError("put_gradient_segment takes a contiguous float32 tensor")
         ranges = segment_ranges(self.size, self.partition_num, offset, n)
         here, length = ranges[self.partition_id]
         begin = offset + here - self._start
@@ -377,7 +377,7 @@ class AllReduceParameter:
         over all ranks divided by ``avg_numbers`` (also kept as ``gradient_partition``)."""
         self._check_ready("aggregate_gradient_partition")
         if not avg_numbers > 0:
-            raise ValueError(f"avg_numbers must be > 0, got {avg_numbers!r}")
+            raise InvalidOptionError(f"avg_numbers must be > 0, got {avg_numbers!r}")
         if not self._pending:
             raise StateError(
                 f"[rank {self.partition_id}] nothing to aggregate: call put_gradients() first"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from gradhub.errors import WrongTypeError
 from gradhub.trees import Tree, TreeSpec
 
 
@@ -49,7 +50,7 @@ def bind_views(
     device = flat_weights.device
     for t in tensors:
         if t.dtype != torch.float32 or t.device != device:
-            raise TypeError(
+            raise WrongTypeError(
                 f"{where}: bind takes fp32 tensors on {device}, got {t.dtype} on {t.device}"
                 "\n- help: bind a model of fp32 parameters, or pass the tensors to "
                 "get_weights/put_gradients (they are copied)"

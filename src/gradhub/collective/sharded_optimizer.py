@@ -56,7 +56,12 @@ from typing import Any
 import torch
 
 from gradhub.collective.allreduce_parameter import AllReduceParameter
-from gradhub.errors import StateError, UnsupportedByStrategyError
+from gradhub.errors import (
+    InvalidOptionError,
+    StateError,
+    UnsupportedByStrategyError,
+    WrongTypeError,
+)
 from gradhub.optim import OptimizerFactory, OptimizerSpec
 
 ELEMENTWISE = frozenset(
@@ -133,9 +138,9 @@ class ShardedOptimizer:
             )
         if param_sizes is not None:
             if group_sizes is not None:
-                raise ValueError("give group_sizes or param_sizes, not both")
+                raise InvalidOptionError("give group_sizes or param_sizes, not both")
             if not isinstance(optimizer, OptimizerSpec):
-                raise ValueError("param_sizes needs an OptimizerSpec, not a factory")
+                raise InvalidOptionError("param_sizes needs an OptimizerSpec, not a factory")
             group_sizes = [sum(g) for g in param_sizes]
         self.parameter = parameter
         self.lock = threading.Lock()
@@ -144,7 +149,9 @@ class ShardedOptimizer:
         weights = parameter.weight_partition
         sizes = list(group_sizes) if group_sizes is not None else [parameter.size]
         if sum(sizes) != parameter.size or any(s < 0 for s in sizes):
-            raise ValueError(f"group_sizes {sizes} must add up to the size {parameter.size}")
+            raise InvalidOptionError(
+                f"group_sizes {sizes} must add up to the size {parameter.size}"
+            )
         self.ranges: list[tuple[int, int]] = []
         self.views: list[torch.Tensor] = []
         self._cuts: list[tuple[int, int]] = []  # per group: [a, b) within the slice
@@ -171,10 +178,10 @@ class ShardedOptimizer:
                 self.optimizer = optimizer.build([[v] for v in self.views])
         else:
             if group_sizes is not None and len(sizes) > 1:
-                raise ValueError("several groups need an OptimizerSpec, not a factory")
+                raise InvalidOptionError("several groups need an OptimizerSpec, not a factory")
             self.optimizer = optimizer([weights])
         if not isinstance(self.optimizer, torch.optim.Optimizer):
-            raise TypeError(
+            raise WrongTypeError(
                 f"the factory must return a torch.optim.Optimizer, got {type(self.optimizer)!r}"
             )
 
@@ -210,7 +217,7 @@ class ShardedOptimizer:
         """Step with one gradient per piece (``None``: the piece and its state stay
         as they are) and publish; ``param_sizes`` mode."""
         if len(gradients) != len(self.pieces):
-            raise ValueError(f"{len(gradients)} gradients for {len(self.pieces)} pieces")
+            raise InvalidOptionError(f"{len(gradients)} gradients for {len(self.pieces)} pieces")
         for piece, grad in zip(self.pieces, gradients, strict=True):
             piece.view.grad = grad
         return self._step_and_publish([p.view for p in self.pieces])

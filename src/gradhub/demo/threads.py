@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gradhub.errors import InvalidOptionError
 from gradhub.inprocess import DistributedGradientsCoordinator, split_batch
 
 logger = logging.getLogger(__name__)
@@ -56,15 +57,15 @@ class ThreadedConfig:
 
     def __post_init__(self) -> None:
         if self.workers < 1:
-            raise ValueError(f"workers must be >= 1, got {self.workers}")
+            raise InvalidOptionError(f"workers must be >= 1, got {self.workers}")
         if self.epochs < 1:
-            raise ValueError(f"epochs must be >= 1, got {self.epochs}")
+            raise InvalidOptionError(f"epochs must be >= 1, got {self.epochs}")
         if self.batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+            raise InvalidOptionError(f"batch_size must be >= 1, got {self.batch_size}")
         if not 0.0 < self.test_fraction < 1.0:
-            raise ValueError(f"test_fraction must be in (0, 1), got {self.test_fraction}")
+            raise InvalidOptionError(f"test_fraction must be in (0, 1), got {self.test_fraction}")
         if not self.learning_rate > 0:
-            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
+            raise InvalidOptionError(f"learning_rate must be > 0, got {self.learning_rate}")
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,14 @@ from types import TracebackType
 
 import torch
 
-from gradhub.errors import ClosedError, GradhubTimeoutError, NonFiniteError, StateError
+from gradhub.errors import (
+    ClosedError,
+    GradhubTimeoutError,
+    InvalidOptionError,
+    NonFiniteError,
+    StateError,
+    WrongTypeError,
+)
 from gradhub.trees import Tree, TreeSpec, all_finite, as_tree, clone_tree
 
 logger = logging.getLogger(__name__)
@@ -59,20 +66,22 @@ _NONFINITE = ("error", "skip")
 def _check_mode(mode: str) -> str:
     key = mode.lower() if isinstance(mode, str) else mode
     if key not in _MODES:
-        raise ValueError(f"gradient_change_mode must be 'descent' or 'ascent', got {mode!r}")
+        raise InvalidOptionError(
+            f"gradient_change_mode must be 'descent' or 'ascent', got {mode!r}"
+        )
     return str(key)
 
 
 def _check_learning_rate(lr: float) -> float:
     value = float(lr)
     if not math.isfinite(value) or value < 0:
-        raise ValueError(f"learning_rate must be a finite number >= 0, got {lr!r}")
+        raise InvalidOptionError(f"learning_rate must be a finite number >= 0, got {lr!r}")
     return value
 
 
 def _check_nonfinite(policy: str) -> str:
     if policy not in _NONFINITE:
-        raise ValueError(f"nonfinite must be 'error' or 'skip', got {policy!r}")
+        raise InvalidOptionError(f"nonfinite must be 'error' or 'skip', got {policy!r}")
     return policy
 
 
@@ -154,7 +163,7 @@ class DistributedGradientsCoordinator:
         leaves = spec.leaves(tree)
         for i, leaf in enumerate(leaves):
             if not leaf.is_floating_point():
-                raise TypeError(
+                raise WrongTypeError(
                     f"parameter leaf {i} has dtype {leaf.dtype}; parameters must be floating point"
                 )
         if copy:

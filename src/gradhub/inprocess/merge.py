@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gradhub.errors import ShapeMismatchError
+from gradhub.errors import InvalidOptionError, ShapeMismatchError, WrongTypeError
 from gradhub.trees import Tree, TreeSpec, as_tree
 
 
@@ -79,11 +79,11 @@ def _take(data: Any, start: int, step: int) -> Any:
 def _length(data: Any, what: str) -> int:
     if _is_array(data):
         if data.ndim == 0:
-            raise ValueError(f"{what} is a 0-d tensor; split_batch needs a first dimension")
+            raise InvalidOptionError(f"{what} is a 0-d tensor; split_batch needs a first dimension")
         return int(data.shape[0])
     if isinstance(data, Sequence) and not isinstance(data, (str, bytes)):
         return len(data)
-    raise TypeError(
+    raise WrongTypeError(
         f"{what} must be a sequence, tensor or array (or a tuple/dict of them), "
         f"got {type(data).__name__}"
     )
@@ -97,7 +97,7 @@ def split_batch(data: Any, n_workers: int) -> list[Any]:
     consistently). ``n_workers < 1`` is a ``ValueError``.
     """
     if isinstance(n_workers, bool) or not isinstance(n_workers, int) or n_workers < 1:
-        raise ValueError(f"n_workers must be an integer >= 1, got {n_workers!r}")
+        raise InvalidOptionError(f"n_workers must be an integer >= 1, got {n_workers!r}")
     columns: dict[Any, Any] | None = None
     if isinstance(data, Mapping):
         columns = dict(data)
@@ -108,7 +108,7 @@ def split_batch(data: Any, n_workers: int) -> list[Any]:
         return [_take(data, w, n_workers) for w in range(n_workers)]
     lengths = {k: _length(v, f"data[{k!r}]") for k, v in columns.items()}
     if len(set(lengths.values())) > 1:
-        raise ValueError(
+        raise InvalidOptionError(
             f"the columns of data have different first dimensions {lengths}; "
             "they must be equal to be split consistently"
         )
@@ -132,20 +132,20 @@ def merge_worker_updates(updates: Sequence[WorkerUpdate]) -> ModelUpdate:
     """
     updates = list(updates)
     if not updates:
-        raise ValueError("merge_worker_updates needs at least one WorkerUpdate, got none")
+        raise InvalidOptionError("merge_worker_updates needs at least one WorkerUpdate, got none")
     seen: set[Hashable] = set()
     for u in updates:
         if not isinstance(u, WorkerUpdate):
-            raise TypeError(f"expected WorkerUpdate objects, got {type(u).__name__}")
+            raise WrongTypeError(f"expected WorkerUpdate objects, got {type(u).__name__}")
         s = u.samples_processed
         if isinstance(s, bool) or not isinstance(s, (int, np.integer)):
-            raise TypeError(
+            raise WrongTypeError(
                 f"worker {u.worker_id!r}: samples_processed must be an integer, got {s!r}"
             )
         if s < 0:
-            raise ValueError(f"worker {u.worker_id!r}: samples_processed is negative ({s})")
+            raise InvalidOptionError(f"worker {u.worker_id!r}: samples_processed is negative ({s})")
         if u.worker_id in seen:
-            raise ValueError(
+            raise InvalidOptionError(
                 f"worker {u.worker_id!r} appears twice; each worker reports once per merge"
             )
         seen.add(u.worker_id)
@@ -157,7 +157,7 @@ def merge_worker_updates(updates: Sequence[WorkerUpdate]) -> ModelUpdate:
     contributing = [u for u in ordered if u.samples_processed > 0]
     if not contributing:
         ids = ", ".join(repr(u.worker_id) for u in ordered)
-        raise ValueError(f"total samples is 0 (workers {ids}); nothing to average")
+        raise InvalidOptionError(f"total samples is 0 (workers {ids}); nothing to average")
     reference = as_tree(contributing[0].gradients)
     spec = TreeSpec.of(reference)
 
@@ -173,7 +173,7 @@ def merge_worker_updates(updates: Sequence[WorkerUpdate]) -> ModelUpdate:
                 f"worker {u.worker_id!r} {exc.path}", exc.expected, exc.received, exc.what
             ) from None
         except TypeError as exc:
-            raise TypeError(f"worker {u.worker_id!r}: {exc}") from None
+            raise WrongTypeError(f"worker {u.worker_id!r}: {exc}") from None
         if u.samples_processed == 0:
             continue
         if sums is None:

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from gradhub._atomic import atomic_torch_save
+from gradhub.errors import InvalidOptionError
 
 if TYPE_CHECKING:
     from gradhub.runtime import Runtime
@@ -47,7 +48,9 @@ class CheckpointDir:
     def __post_init__(self) -> None:
         self.path = Path(self.path)
         if self.keep < 2:
-            raise ValueError(f"keep must be >= 2 so a torn save can fall back, got {self.keep}")
+            raise InvalidOptionError(
+                f"keep must be >= 2 so a torn save can fall back, got {self.keep}"
+            )
 
     def file(self, step: int, rank: int | None = None) -> Path:
         """The file of ``step`` written by ``rank`` (default: this rank)."""

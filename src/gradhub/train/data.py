@@ -47,6 +47,7 @@ from torch.utils.data import (
 )
 from torch.utils.data._utils.collate import default_collate
 
+from gradhub.errors import InvalidOptionError, WrongTypeError
 from gradhub.inprocess.merge import split_batch
 
 
@@ -70,7 +71,7 @@ def batch_size_of(batch: Any) -> int:
         return batch_size_of(next(iter(batch.values())))
     if isinstance(batch, (tuple, list)):
         return batch_size_of(batch[0])
-    raise TypeError(f"cannot tell the batch size of a {type(batch).__name__}")
+    raise WrongTypeError(f"cannot tell the batch size of a {type(batch).__name__}")
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
@@ -94,7 +95,7 @@ def _columns(data: Any) -> TensorDataset | None:
         ]
         if all(isinstance(c, torch.Tensor) for c in cols):
             if cols[0].shape[0] != cols[1].shape[0] or cols[0].shape[0] == 0:
-                raise ValueError(
+                raise InvalidOptionError(
                     "inputs and targets need the same, non-zero number of samples, "
                     f"got {cols[0].shape[0]} and {cols[1].shape[0]}"
                 )
@@ -111,7 +112,7 @@ def _check_loader(loader: DataLoader[Any], what: str) -> None:
             if loader.batch_size is None
             else type(loader.sampler).__name__
         )
-        raise TypeError(
+        raise WrongTypeError(
             f"{what} is a DataLoader with a {own} of its own; fit re-shards a loader over "
             "the ranks with a DistributedSampler, which would drop it\n- help: give the "
             "loader batch_size= and shuffle= (or a DistributedSampler), or draw the samples "
@@ -144,13 +145,13 @@ class Source:
             elif isinstance(data, (Dataset, IterableDataset)):
                 self.dataset = data
             else:
-                raise TypeError(
+                raise WrongTypeError(
                     f"{what} must be (inputs, targets) tensors or arrays, a Dataset, an "
                     f"IterableDataset or a DataLoader, got {type(data).__name__}"
                 )
         self.iterable = isinstance(self.dataset, IterableDataset)
         if not self.iterable and len(self.dataset) == 0:
-            raise ValueError(f"{what} holds no samples")
+            raise InvalidOptionError(f"{what} holds no samples")
         if self.loader is not None and not self.iterable:
             _check_loader(self.loader, what)
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gradhub.errors import InvalidOptionError, WrongTypeError
 from gradhub.train.losses import Metric
 
 __all__ = ["METRIC_NAMES", "FitConfig", "FitResult", "StepCallback"]
@@ -76,14 +77,16 @@ class FitConfig:
 
     def __post_init__(self) -> None:
         if self.scheduler_interval not in ("step", "epoch"):
-            raise ValueError(
+            raise InvalidOptionError(
                 f"scheduler_interval is 'step' or 'epoch', got {self.scheduler_interval!r}"
             )
         if self.precision not in ("fp32", "bf16", "fp16"):
-            raise ValueError(f"precision is 'fp32', 'bf16' or 'fp16', got {self.precision!r}")
+            raise InvalidOptionError(
+                f"precision is 'fp32', 'bf16' or 'fp16', got {self.precision!r}"
+            )
         if self.grad_scaler is not None:
             if self.precision != "fp16":
-                raise ValueError(
+                raise InvalidOptionError(
                     f"grad_scaler options apply to precision='fp16' only, got "
                     f"precision={self.precision!r}\n- help: bf16 and fp32 need no loss "
                     "scaling; drop grad_scaler or set precision='fp16'"
@@ -91,20 +94,20 @@ class FitConfig:
             valid = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
             unknown = sorted(set(self.grad_scaler) - set(valid))
             if unknown:
-                raise ValueError(
+                raise InvalidOptionError(
                     f"unknown grad_scaler option(s): {', '.join(unknown)}\n- help: valid "
                     f"options are {', '.join(valid)}"
                 )
         self._check_metrics()
         if self.grad_clip is not None and not self.grad_clip > 0:
-            raise ValueError(f"grad_clip must be > 0, got {self.grad_clip}")
+            raise InvalidOptionError(f"grad_clip must be > 0, got {self.grad_clip}")
         for name in ("epochs", "batch_size", "log_every", "accumulate"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise InvalidOptionError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.checkpoint_every < 0:
-            raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
+            raise InvalidOptionError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
         if self.resume and self.checkpoint_dir is None:
-            raise ValueError("resume=True needs checkpoint_dir")
+            raise InvalidOptionError("resume=True needs checkpoint_dir")
         self.run_dir = Path(self.run_dir) if self.run_dir is not None else None
         if self.checkpoint_dir is not None:
             self.checkpoint_dir = Path(self.checkpoint_dir)
@@ -116,7 +119,7 @@ class FitConfig:
         for m in self.metrics:
             if isinstance(m, str):
                 if m not in METRIC_NAMES:
-                    raise ValueError(
+                    raise InvalidOptionError(
                         f"unknown metric {m!r}\n- help: valid names are "
                         f"{', '.join(map(repr, METRIC_NAMES))}; or give a callable "
                         "fn(output, batch) -> float"
@@ -125,17 +128,17 @@ class FitConfig:
             elif callable(m):
                 name = getattr(m, "__name__", None)
                 if not isinstance(name, str) or not name.isidentifier():
-                    raise ValueError(
+                    raise InvalidOptionError(
                         f"metric {m!r} has no name to report it under ({name!r})\n- help: "
                         "define it with `def name(output, batch): ...`: its records are "
                         "train_<name> and eval_<name>"
                     )
                 names.append(name)
             else:
-                raise TypeError(f"a metric is a name or a callable, got {type(m).__name__}")
+                raise WrongTypeError(f"a metric is a name or a callable, got {type(m).__name__}")
         repeated = sorted({n for n in names if names.count(n) > 1})
         if repeated:
-            raise ValueError(
+            raise InvalidOptionError(
                 f"metric name(s) {', '.join(repeated)} given more than once (a callable is "
                 f"named after its __name__; 'loss' and 'accuracy' are taken)\n- help: give "
                 "each metric its own name"

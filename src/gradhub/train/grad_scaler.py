@@ -54,7 +54,7 @@ from typing import Any
 
 import torch
 
-from gradhub.errors import MisuseError
+from gradhub.errors import InvalidOptionError, MisuseError, WrongTypeError
 from gradhub.train.distributed_optimizer import DistributedOptimizer
 
 
@@ -88,22 +88,22 @@ class GradScaler:
         enabled: bool = True,
     ) -> None:
         if not isinstance(optimizer, DistributedOptimizer):
-            raise TypeError(
+            raise WrongTypeError(
                 f"GradScaler takes the optimizer gradhub.prepare returned, got "
                 f"{type(optimizer).__name__}\n- help: model, optimizer = gradhub.prepare(model, "
                 "optimizer, ...); scaler = gradhub.GradScaler(optimizer) (torch.amp.GradScaler "
                 "would unscale one rank's gradient and skip steps on some ranks only)"
             )
         if not init_scale > 0 or not growth_factor > 1.0 or not 0.0 < backoff_factor < 1.0:
-            raise ValueError(
+            raise InvalidOptionError(
                 "need init_scale > 0, growth_factor > 1 and 0 < backoff_factor < 1, got "
                 f"init_scale={init_scale}, growth_factor={growth_factor}, "
                 f"backoff_factor={backoff_factor}"
             )
         if isinstance(growth_interval, bool) or not isinstance(growth_interval, int):
-            raise TypeError(f"growth_interval must be an int, got {growth_interval!r}")
+            raise WrongTypeError(f"growth_interval must be an int, got {growth_interval!r}")
         if growth_interval < 1:
-            raise ValueError(f"growth_interval must be >= 1, got {growth_interval}")
+            raise InvalidOptionError(f"growth_interval must be >= 1, got {growth_interval}")
         self.optimizer = optimizer
         self._enabled = bool(enabled)
         self._scale = float(init_scale)
@@ -130,7 +130,7 @@ class GradScaler:
             return type(outputs)(self.scale(o) for o in outputs)
         if isinstance(outputs, dict):
             return {k: self.scale(v) for k, v in outputs.items()}
-        raise TypeError(f"scale() takes tensors, got {type(outputs).__name__}")
+        raise WrongTypeError(f"scale() takes tensors, got {type(outputs).__name__}")
 
     def unscale_(self, optimizer: DistributedOptimizer) -> None:
         """Divide the combined gradient by the scale, in place, and record
@@ -180,7 +180,7 @@ class GradScaler:
             return
         if new_scale is not None:
             if not float(new_scale) > 0:
-                raise ValueError(f"new_scale must be > 0, got {new_scale}")
+                raise InvalidOptionError(f"new_scale must be > 0, got {new_scale}")
             self._scale = float(new_scale)
         else:
             if self._stage is not _Stage.STEPPED:
@@ -230,7 +230,7 @@ class GradScaler:
         if not self._enabled:
             return
         if not state_dict:
-            raise ValueError("the state dict is empty: it was written by a disabled scaler")
+            raise InvalidOptionError("the state dict is empty: it was written by a disabled scaler")
         self._scale = float(state_dict["scale"])
         self._growth_factor = float(state_dict["growth_factor"])
         self._backoff_factor = float(state_dict["backoff_factor"])
@@ -239,7 +239,7 @@ class GradScaler:
 
     def _check_optimizer(self, optimizer: Any) -> None:
         if optimizer is not self.optimizer:
-            raise TypeError(
+            raise WrongTypeError(
                 "this GradScaler was made for another optimizer; pass the prepared optimizer "
                 "it was made with (one scaler per prepared optimizer)"
             )

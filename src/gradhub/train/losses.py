@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from gradhub.errors import WrongTypeError
+
 __all__ = [
     "LossFn",
     "Metric",
@@ -67,7 +69,7 @@ def default_loss(output: Any, batch: Any) -> torch.Tensor:
         return loss
     logits, target = _logits(output), target_of(batch)
     if not isinstance(logits, torch.Tensor) or not isinstance(target, torch.Tensor):
-        raise TypeError(
+        raise WrongTypeError(
             "the default loss needs a tensor output (or a dict with 'loss' or 'logits') and "
             "a target in the batch\n- help: pass loss_fn=lambda output, batch: ..."
         )

@@ -27,6 +27,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from gradhub.errors import InvalidOptionError
 from gradhub.train.metrics import read_metrics
 
 
@@ -84,7 +85,7 @@ def plot_run(run_dir: Path, output: Path | None = None) -> Path:
         raise FileNotFoundError(f"run folder {run_dir} does not exist")
     jobs = find_jobs(run_dir)
     if not jobs:
-        raise ValueError(
+        raise InvalidOptionError(
             f"no metrics.rank*.jsonl under {run_dir}\n"
             "- help: pass the run_dir given to fit() (or gradhub demo's run folder)"
         )

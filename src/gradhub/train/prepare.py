@@ -56,7 +56,12 @@ from typing import Any, overload
 import torch
 import torch.distributed as dist
 
-from gradhub.errors import NotPreparedError, ReplicasDivergedError
+from gradhub.errors import (
+    NotPreparedError,
+    ReplicasDivergedError,
+    UnsupportedOptionError,
+    WrongTypeError,
+)
 from gradhub.runtime import Runtime, init
 from gradhub.train.ddp_options import KEYWORDS, split_ddp_options
 from gradhub.train.distributed_optimizer import DistributedOptimizer
@@ -105,9 +110,9 @@ def prepare(
     are accepted as :mod:`gradhub.train.ddp_options` says.
     """
     if isinstance(model, PreparedModel):
-        raise TypeError("this model was already prepared; pass the original module")
+        raise WrongTypeError("this model was already prepared; pass the original module")
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        raise WrongTypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     several = isinstance(optimizer, (list, tuple))
     given: list[Any] = list(optimizer) if several else [optimizer]  # type: ignore[arg-type]
     if not given or any(
@@ -116,14 +121,16 @@ def prepare(
         or (o is None and several)
         for o in given
     ):
-        raise TypeError(
+        raise WrongTypeError(
             "optimizer must be the script's torch.optim.Optimizer (or a list of them), "
             "built over model.parameters()"
         )
     if isinstance(strategy, str):
         check_name(strategy)
     if not isinstance(strategy, str) and set(options) - KEYWORDS:
-        raise TypeError("options go to the strategy's constructor, not with an instance")
+        raise UnsupportedOptionError(
+            "options go to the strategy's constructor, not with an instance"
+        )
     runtime = runtime if runtime is not None else init()
     name = strategy if isinstance(strategy, str) else None
     ddp, options = split_ddp_options(name, options, model_device(model, runtime))

@@ -1,18 +1,22 @@
 """DataParallelTrainer: split/merge (no model needed) and whole training jobs.
 
-Two faces of one class (DESIGN 4 and 7):
+Two faces of one class:
 
 - ``DataParallelTrainer().split_batch(data, n)`` and
-  ``.merge_worker_updates(updates)``: the pure pieces, no model or process group.
-- ``DataParallelTrainer(model, optimizer, strategy="allreduce").fit(...)``,
-  run in every process of a job (``gradhub run -n N script.py`` or torchrun).
+  ``.merge_worker_updates(updates)``: splitting a batch across workers and the
+  sample-weighted merge of their updates, with no model or process group
+  (the functions of :mod:`gradhub.inprocess.merge`).
+- ``DataParallelTrainer(model, optimizer, strategy="allreduce").fit(...)``:
+  a whole training job (a strategy of :mod:`gradhub.train.strategies`,
+  checkpoints, metrics), run in every process of the job (``gradhub run -n N
+  script.py`` or torchrun).
 
 ``fit`` is built on :func:`gradhub.prepare`: the model and optimizer are
 prepared once, and every step is the own loop a user would write
 (:mod:`gradhub.train.losses` says how batches, losses and metrics are handled;
 :mod:`gradhub.train.data` which data it takes and how it is split).
 
-Decisions where the design was silent:
+Decisions:
 - ``batch_size`` is the *global* batch size (what a single process would use)
   for tensors and datasets; a ``DataLoader`` keeps its own per-rank batch
   size. Smaller than the number of ranks is an error before any work.
@@ -31,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any
 
+from gradhub.errors import InvalidOptionError, UnsupportedOptionError
 from gradhub.inprocess.merge import ModelUpdate, WorkerUpdate, merge_worker_updates, split_batch
 from gradhub.runtime import Runtime, init
 from gradhub.train.data import Source
@@ -73,7 +78,9 @@ class DataParallelTrainer:
         if isinstance(strategy, str):
             check_name(strategy)
         elif options:
-            raise TypeError("options go to the strategy's constructor, not with an instance")
+            raise UnsupportedOptionError(
+                "options go to the strategy's constructor, not with an instance"
+            )
         self.model = model
         self.optimizer = optimizer
         self.strategy = strategy if isinstance(strategy, str) else strategy.name
@@ -83,23 +90,26 @@ class DataParallelTrainer:
         self._impl: Strategy | None = None if isinstance(strategy, str) else strategy
         self._prepared: tuple[PreparedModel, DistributedOptimizer] | None = None
 
-    # split and merge (DESIGN 4) -------------------------------------------------------
+    # split and merge, no model or process group ---------------------------------------
 
     @staticmethod
     def split_batch(data: Any, n_workers: int) -> list[Any]:
-        """Round-robin split into ``n_workers`` parts; see :func:`gradhub.merge.split_batch`."""
+        """Round-robin split into ``n_workers`` parts (sample ``i`` to part ``i % n``);
+        see :func:`gradhub.inprocess.merge.split_batch`."""
         return split_batch(data, n_workers)
 
     @staticmethod
     def merge_worker_updates(updates: Sequence[WorkerUpdate]) -> ModelUpdate:
-        """Sample-weighted merge; see :func:`gradhub.merge.merge_worker_updates`."""
+        """Sample-weighted merge; see :func:`gradhub.inprocess.merge.merge_worker_updates`."""
         return merge_worker_updates(updates)
 
-    # training jobs (DESIGN 7) ---------------------------------------------------------
+    # training jobs: fit in every process of the job -----------------------------------
 
     def _prepare(self) -> tuple[Runtime, PreparedModel, DistributedOptimizer]:
         if self.model is None:
-            raise ValueError("fit() needs DataParallelTrainer(model, optimizer, strategy=...)")
+            raise InvalidOptionError(
+                "fit() needs DataParallelTrainer(model, optimizer, strategy=...)"
+            )
         if self.runtime is None:
             self.runtime = init()
             self._owns_runtime = True
@@ -142,11 +152,11 @@ class DataParallelTrainer:
         record)`` after every evaluation.
         """
         if config is not None and settings:
-            raise TypeError("pass either config= or keyword settings, not both")
+            raise UnsupportedOptionError("pass either config= or keyword settings, not both")
         valid = sorted(f.name for f in fields(FitConfig))
         unknown = set(settings) - set(valid)
         if unknown:
-            raise TypeError(
+            raise UnsupportedOptionError(
                 f"unknown fit setting(s): {', '.join(sorted(unknown))}\n- help: valid settings "
                 f"are {', '.join(valid)}; and the arguments eval_data, loss_fn, on_step, "
                 "on_epoch, on_eval, config"
@@ -167,7 +177,7 @@ class DataParallelTrainer:
         )
         rt, model, optimizer = self._prepare()
         if cfg.batch_size < rt.world_size:
-            raise ValueError(self._batch_error(cfg.batch_size, rt.world_size))
+            raise InvalidOptionError(self._batch_error(cfg.batch_size, rt.world_size))
         for src in (train, evals):
             if src is not None:
                 src.rank, src.world = rt.rank, rt.world_size

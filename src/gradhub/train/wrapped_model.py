@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from gradhub.errors import InvalidOptionError
 from gradhub.train.strategies import Strategy
 
 
@@ -110,7 +111,7 @@ class PreparedModel(torch.nn.Module):
         too, as it would into that wrapper: the prefix is taken off.
         """
         if assign:
-            raise ValueError("assign=True would replace the parameters the strategy holds")
+            raise InvalidOptionError("assign=True would replace the parameters the strategy holds")
         keys = list(state_dict)
         own = self.module.state_dict(keep_vars=True)
         if (

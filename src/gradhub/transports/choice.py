@@ -56,6 +56,7 @@ import torch.distributed as dist
 
 from gradhub._shm.hosts import HostLayout, exchange, host_identity
 from gradhub._shm.memory import supported as shm_supported
+from gradhub.errors import InvalidOptionError
 from gradhub.transports.base import Transport
 from gradhub.transports.group import CollectiveGroup, Operation
 from gradhub.transports.hierarchical import HierarchicalTransport, fits
@@ -76,7 +77,7 @@ def requested(explicit: str | None) -> str:
     name = name.lower()
     if name not in CHOICES:
         source = "transport=" if explicit is not None else TRANSPORT_ENV
-        raise ValueError(f"{source} must be one of {', '.join(CHOICES)}, got {name!r}")
+        raise InvalidOptionError(f"{source} must be one of {', '.join(CHOICES)}, got {name!r}")
     return name
 
 
@@ -156,7 +157,7 @@ def _decide(group: CollectiveGroup, op: Operation) -> Transport:
     store = group.store
     if store is None or group.backend_of(group.device) != "gloo":
         if asked == "shm":
-            raise ValueError(
+            raise InvalidOptionError(
                 f"[rank {group.rank}] transport 'shm' needs a gloo group with a c10d store"
             )
         return NativeTransport(group) if asked == "gloo" else RingTransport(group)
@@ -168,7 +169,7 @@ def _decide(group: CollectiveGroup, op: Operation) -> Transport:
         raise group.timed_out(op, missing[0] if len(missing) == 1 else None, absent=missing)
     asks = [v.split("|", 1)[0] for v in values]
     if len(set(asks)) > 1:
-        raise ValueError(
+        raise InvalidOptionError(
             f"[rank {group.rank}] ranks asked for different transports: "
             + ", ".join(f"rank {r}: {a}" for r, a in enumerate(asks))
             + f"; set the same transport= or {TRANSPORT_ENV} on every rank"
@@ -183,12 +184,12 @@ def _decide(group: CollectiveGroup, op: Operation) -> Transport:
             name = "hierarchical"
     hosts = [list(h) for h in layout.hosts]
     if name == "shm" and not layout.single_host:
-        raise ValueError(
+        raise InvalidOptionError(
             f"[rank {group.rank}] transport 'shm' needs every rank on one host; "
             f"these ranks are on {len(layout.hosts)} hosts: {hosts}"
         )
     if name == "hierarchical" and not fits(layout):
-        raise ValueError(
+        raise InvalidOptionError(
             f"[rank {group.rank}] transport 'hierarchical' needs several hosts with the same "
             f"number (>= 2) of ranks each; these ranks are on {len(hosts)} host(s): {hosts}"
         )

@@ -66,7 +66,7 @@ import torch
 
 from gradhub import codecs
 from gradhub._shm.hosts import HostLayout
-from gradhub.errors import WorkerFailedError
+from gradhub.errors import InvalidOptionError, WorkerFailedError
 from gradhub.transports.base import Chunking, Ranges, Transport
 from gradhub.transports.group import CollectiveGroup, Operation
 from gradhub.transports.native import backend_broadcast
@@ -95,7 +95,7 @@ class HierarchicalTransport(Transport):
 
     def __init__(self, group: CollectiveGroup, layout: HostLayout, op: Operation, key: str):
         if not fits(layout):
-            raise ValueError(
+            raise InvalidOptionError(
                 f"[rank {group.rank}] the hierarchical transport needs several hosts with "
                 f"the same number (>= 2) of ranks each; got {[list(h) for h in layout.hosts]}"
             )

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from gradhub import codecs
+from gradhub.errors import InvalidOptionError
 from gradhub.partition import partition_ranges
 
 TAG_SEQ_BITS = 10
@@ -112,7 +113,7 @@ def sub_ranges(start: int, length: int, max_elements: int) -> list[tuple[int, in
     be agreed on at run time.
     """
     if max_elements < 1:
-        raise ValueError(f"max_elements must be >= 1, got {max_elements}")
+        raise InvalidOptionError(f"max_elements must be >= 1, got {max_elements}")
     if length == 0:
         return []
     count = -(-length // max_elements)
@@ -127,7 +128,7 @@ def message_tag(sequence: int, index: int) -> int:
     operations; operations on one group never overlap, so that is safe.
     """
     if not 0 <= index < 1 << TAG_INDEX_BITS:
-        raise ValueError(
+        raise InvalidOptionError(
             f"too many messages in one operation ({index}); raise the pipeline chunk size"
         )
     return ((sequence % (1 << TAG_SEQ_BITS)) << TAG_INDEX_BITS) | index

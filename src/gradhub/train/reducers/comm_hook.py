@@ -13,6 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradhub.errors import WrongTypeError
+
 
 class GradBucket:
     """DDP's ``GradBucket`` interface over one bucket, for a comm hook."""
@@ -56,14 +58,16 @@ class CommHook:
 
     def __init__(self, state: object, hook: Callable[..., Any]) -> None:
         if not callable(hook):
-            raise TypeError(f"a comm hook is a callable (state, bucket) -> Future, got {hook!r}")
+            raise WrongTypeError(
+                f"a comm hook is a callable (state, bucket) -> Future, got {hook!r}"
+            )
         self.state, self.hook = state, hook
 
     def launch(self, bucket: GradBucket, tail: torch.Tensor | None) -> Any:
         """Start the hook; ``tail`` (used flags, count) is summed by a plain all-reduce."""
         future = self.hook(self.state, bucket)
         if not isinstance(future, torch._C.Future):
-            raise TypeError(
+            raise WrongTypeError(
                 f"the comm hook returned {type(future).__name__}, not a torch.futures.Future"
                 "\n- help: return the future of an async collective, as DDP's hooks do"
             )

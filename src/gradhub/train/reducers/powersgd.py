@@ -67,7 +67,7 @@ import torch.distributed as dist
 
 from gradhub._config import config_or_options
 from gradhub.collective import CollectiveGroup, all_reduce
-from gradhub.errors import CollectiveTimeoutError, WorkerFailedError
+from gradhub.errors import CollectiveTimeoutError, InvalidOptionError, WorkerFailedError
 
 log = logging.getLogger(__name__)
 
@@ -93,13 +93,15 @@ class PowerSGDConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
-            raise ValueError(f"rank must be an integer >= 1, got {self.rank!r}")
+            raise InvalidOptionError(f"rank must be an integer >= 1, got {self.rank!r}")
         if self.start_step < 0:
-            raise ValueError(f"start_step must be >= 0, got {self.start_step}")
+            raise InvalidOptionError(f"start_step must be >= 0, got {self.start_step}")
         if not self.min_compression_rate >= 1:
-            raise ValueError(f"min_compression_rate must be >= 1, got {self.min_compression_rate}")
+            raise InvalidOptionError(
+                f"min_compression_rate must be >= 1, got {self.min_compression_rate}"
+            )
         if not self.timeout > 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {self.timeout}")
+            raise InvalidOptionError(f"timeout must be > 0 seconds, got {self.timeout}")
 
 
 @dataclass
@@ -168,7 +170,7 @@ class PowerSGD:
     ) -> None:
         """Sum ``bucket`` (flat fp32, the tensors of ``shapes`` back to back) over the ranks."""
         if bucket.dim() != 1 or bucket.dtype != torch.float32:
-            raise ValueError(
+            raise InvalidOptionError(
                 f"bucket must be a flat float32 tensor, got {bucket.dtype} {bucket.shape}"
             )
         state = self._state(bucket, shapes, bucket_index)
@@ -189,14 +191,14 @@ class PowerSGD:
         known = self._buckets.get(index)
         if known is not None:
             if known.shapes != shapes:
-                raise ValueError(
+                raise InvalidOptionError(
                     f"bucket {index} changed its layout ({len(known.shapes)} tensors before, "
                     f"{len(shapes)} now); PowerSGD keeps state per bucket"
                 )
             return known
         total = sum(math.prod(s) for s in shapes)
         if total > bucket.numel():
-            raise ValueError(
+            raise InvalidOptionError(
                 f"shapes hold {total} elements, more than the bucket's {bucket.numel()}"
             )
         matrices, exact, offset = [], [], 0

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from gradhub import codecs
 from gradhub.collective import CollectiveGroup
+from gradhub.errors import InvalidOptionError, WrongTypeError
 from gradhub.train.reducers.allreduce import AllReduce, HalfAllReduce
 from gradhub.train.reducers.base import BucketReducer, ReducerFactory
 from gradhub.train.reducers.powersgd import PowerSGD
@@ -38,9 +39,9 @@ def register(name: str, factory: ReducerFactory) -> None:
     """Make ``compress=name`` build reducers with ``factory(group=..., **options)``
     (added to the one ``compress=`` vocabulary, :func:`gradhub.codecs.check`)."""
     if not isinstance(name, str) or not name:
-        raise ValueError(f"a bucket reducer name is a non-empty str, got {name!r}")
+        raise InvalidOptionError(f"a bucket reducer name is a non-empty str, got {name!r}")
     if name in _REDUCERS:
-        raise ValueError(f"a bucket reducer called {name!r} is already registered")
+        raise InvalidOptionError(f"a bucket reducer called {name!r} is already registered")
     _REDUCERS[name] = factory
 
 
@@ -74,5 +75,5 @@ def make(
         options["collective"] = collective
     reducer = _REDUCERS[name](group=group, **options)
     if not isinstance(reducer, BucketReducer):
-        raise TypeError(f"the factory of {name!r} returned {reducer!r}, which has no reduce()")
+        raise WrongTypeError(f"the factory of {name!r} returned {reducer!r}, which has no reduce()")
     return reducer

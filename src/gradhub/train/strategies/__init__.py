@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from gradhub.errors import InvalidOptionError
 from gradhub.train.strategies.base import Closure, Strategy
 
 # name -> (module, class); modules are imported on use so that, e.g., the
@@ -31,7 +32,7 @@ def available() -> list[str]:
 def check_name(name: str) -> None:
     """Raise a ``ValueError`` naming the known strategies if ``name`` is not one."""
     if name not in _REGISTRY:
-        raise ValueError(
+        raise InvalidOptionError(
             f"unknown strategy {name!r}\n- help: choose one of {', '.join(available())}"
         )
 

@@ -84,7 +84,7 @@ import torch
 
 from gradhub._config import config_or_options
 from gradhub.collective import CollectiveFuture
-from gradhub.errors import MisuseError, UnsupportedByStrategyError
+from gradhub.errors import InvalidOptionError, MisuseError, UnsupportedByStrategyError
 from gradhub.train import reducers
 from gradhub.train.strategies.base import Strategy
 from gradhub.train.strategies.step_flags import StepFlags
@@ -106,7 +106,7 @@ class AllReduceConfig:
 
     def __post_init__(self) -> None:
         if not self.bucket_mb > 0:
-            raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")
+            raise InvalidOptionError(f"bucket_mb must be > 0, got {self.bucket_mb}")
         reducers.check_name(self.compress)
 
 
@@ -187,7 +187,7 @@ class AllReduceStrategy(Strategy):
     def _setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         odd = sorted({str(p.dtype) for p in self.params if p.dtype not in _WIDTHS})
         if odd:
-            raise ValueError(
+            raise InvalidOptionError(
                 f"strategy 'allreduce' sums gradients in fp32 buckets; parameters of "
                 f"dtype {', '.join(odd)} would be rounded\n- help: call model.float() "
                 "(or .bfloat16()) before gradhub.prepare"
@@ -366,7 +366,7 @@ class AllReduceStrategy(Strategy):
         used, total = self._flags.read()
         self._regroup_after = self.runtime.survive and self._flags.regroup()
         if total <= 0 and self._samples is not None:
-            raise ValueError("no rank processed any sample in this step")
+            raise InvalidOptionError("no rank processed any sample in this step")
         fix = None
         if self._by_count:
             fix = 1.0 / total

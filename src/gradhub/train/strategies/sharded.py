@@ -108,7 +108,7 @@ from gradhub import codecs
 from gradhub._config import config_or_options
 from gradhub.collective import AllReduceParameter, ShardedOptimizer, all_gather
 from gradhub.collective.sharded_optimizer import check_elementwise
-from gradhub.errors import UnsupportedByStrategyError
+from gradhub.errors import InvalidOptionError, UnsupportedByStrategyError
 from gradhub.optim import OptimizerSpec
 from gradhub.runtime import Runtime
 from gradhub.train.strategies.base import Strategy
@@ -144,7 +144,7 @@ class ShardedConfig:
     def __post_init__(self) -> None:
         codecs.check(self.compress, for_="sharded")  # an error now, not mid-job
         if not self.bucket_mb > 0:
-            raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")
+            raise InvalidOptionError(f"bucket_mb must be > 0, got {self.bucket_mb}")
 
 
 class ShardedStrategy(Strategy):

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from gradhub.errors import InvalidOptionError
+
 WireName = Callable[[torch.Tensor], str | None]
 """The key on the servers of a parameter (``None``: it has none, frozen)."""
 
@@ -51,12 +53,13 @@ def per_key(
     state: Mapping[str, Any], groups: Sequence[Mapping[str, Any]], wire: WireName
 ) -> list[tuple[str, torch.Tensor, dict[str, Any]]]:
     """``(key, parameter, its state)`` of every parameter with a key, from a state dict;
-    a ``ValueError`` if the dict's groups do not match the live ones."""
+    an :class:`~gradhub.errors.InvalidOptionError` (a ``ValueError``) if the dict's
+    groups do not match the live ones."""
     saved_groups = state["param_groups"]
     if len(saved_groups) != len(groups) or any(
         len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, groups, strict=True)
     ):
-        raise ValueError(
+        raise InvalidOptionError(
             "the optimizer state dict does not match this optimizer's parameter groups "
             f"({[len(s['params']) for s in saved_groups]} parameters per group vs "
             f"{[len(g['params']) for g in groups]})\n- help: load a state dict of an "
