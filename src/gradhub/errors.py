@@ -254,7 +254,8 @@ class MembershipChangedError(WorkerFailedError):
 
 
 class WrongTypeError(GradhubError, TypeError):
-    """An argument of a type the function does not take (a model that is not a
-    ``torch.nn.Module``, an optimizer name that is not a ``str``, a batch whose
-    size cannot be told); the message names the type given and the one
-    expected."""
+    """An argument that is not what the function takes: of another type (a
+    model that is not a ``torch.nn.Module``, an optimizer name that is not a
+    ``str``, a batch whose size cannot be told), or another object than the one
+    it belongs to (a ``GradScaler`` given another optimizer than its own); the
+    message names what was given and what is expected."""
