@@ -46,6 +46,7 @@ the survivors.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -179,7 +180,11 @@ host's workers killed together), so that they leave in one generation."""
 def _worker_env(config: LaunchConfig, member: int, addr: str, port: int) -> dict[str, str]:
     n, total = config.nproc, config.nproc * config.nnodes
     local = member % n  # a replacement's: where it lands among n local workers
+    # torchrun's default for several workers on a node: one intra-op thread each
+    # (the workers would otherwise each take every core), unless the user set one.
+    threads = {"OMP_NUM_THREADS": "1"} if n > 1 and "OMP_NUM_THREADS" not in os.environ else {}
     return {
+        **threads,
         "RANK": str(member % total),
         "LOCAL_RANK": str(local),
         "WORLD_SIZE": str(total),
