@@ -160,8 +160,9 @@ def died_error(
     group.mark_broken(f"{op.name} failed")
     err = WorkerFailedError(
         f"[rank {group.rank}] {op.name}: rank {rank} (pid {'?' if pid is None else pid}) "
-        f"died during {during} (shared memory). The group is unusable: stop this "
-        "process and restart the job"
+        f"died during {during} (shared memory). This group is unusable after it: a job "
+        "started with `gradhub run --survive` goes on over the survivors; any other must "
+        "be restarted"
     )
     _log.error("%s", err)
     return err
