@@ -83,7 +83,10 @@ class _Sender:
     def send(self, buffer: torch.Tensor) -> None:
         tag = message_tag(self.op.sequence, self.first + self.count)
         self.count += 1
-        work = dist.isend(buffer, self.peer, group=self.group.process_group, tag=tag)
+        try:
+            work = dist.isend(buffer, self.peer, group=self.group.process_group, tag=tag)
+        except RuntimeError as exc:  # gloo refuses to post on a connection already closed
+            raise self.group.failure(self.op, self.peer, exc) from exc
         assert work is not None
         self.pending.append((work, buffer))
 
@@ -111,7 +114,10 @@ def _post_receives(
     for step, chunk in enumerate(chunks):
         for s, n in sub_ranges(*ranges[chunk], pipeline):
             tag = message_tag(op.sequence, op.messages + len(posted))
-            work = dist.irecv(buffer[s : s + n], peer, group=group.process_group, tag=tag)
+            try:
+                work = dist.irecv(buffer[s : s + n], peer, group=group.process_group, tag=tag)
+            except RuntimeError as exc:  # a connection already closed: the peer is gone
+                raise group.failure(op, peer, exc) from exc
             assert work is not None
             posted.append((step, s, n, work))
     return posted

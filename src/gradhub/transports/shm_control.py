@@ -12,7 +12,8 @@ may share fewer cores than there are ranks), in slices of :data:`WAIT_SLICE`
 seconds; after each slice every peer's process is checked through a ``pidfd``
 (not only the one waited on, which may itself have left for another's death):
 a dead peer is a :class:`~gradhub.errors.WorkerFailedError` naming its rank
-and pid, and a peer that is alive but late past the operation's deadline a
+and pid (so is one that closed its side while another still waits on it: its
+"left" line), and a peer that is alive but late past the operation's deadline a
 :class:`~gradhub.errors.CollectiveTimeoutError` naming it. Either breaks the
 group, as on the ring.
 
@@ -42,8 +43,8 @@ WAIT_SLICE = 0.1
 
 _LINE = 64  # bytes per counter: one cache line each
 _STRIDE = _LINE // 8
-ENTERED, DONE, FLAG, ADDRESS, HELLO = 0, 1, 2, 4, 6  # FLAG and ADDRESS: + k % 2
-_KINDS = 7
+ENTERED, DONE, FLAG, ADDRESS, HELLO, LEFT = 0, 1, 2, 4, 6, 7  # FLAG, ADDRESS: + k % 2
+_KINDS = 8
 
 
 def control_bytes(size: int) -> int:
@@ -150,6 +151,9 @@ class Control:
                 dead = self.first_dead()
                 if dead is not None:
                     raise self.died(op, dead, during)
+                gone = [i for i in range(self.size) if i != self.index and self.get(LEFT, i)]
+                if gone:  # it closed the group, which it left for another's death
+                    raise self.died(op, gone[0], during)
 
     def alive(self, j: int) -> bool:
         poller = select.poll()
@@ -178,7 +182,13 @@ class Control:
         return died_error(self.group, op, self.ranks[j], pid, during)
 
     def close(self) -> None:
-        """Close the pidfds and release the segment's buffer. Idempotent."""
+        """Say this rank has left (a peer still waiting on it fails at once instead
+        of at its deadline: a survivor that left for another's death, whom a rank
+        of its host still waits on), close the pidfds, release the buffer. Idempotent."""
+        if len(self._counters):
+            self._counters[self._slot(LEFT, self.index)] = 1
+            for slot in range(0, len(self._counters), _STRIDE):
+                futex_wake(self._base + slot * 8)
         self._counters = (ctypes.c_int64 * 0)()
         for fd in self._pidfds.values():
             os.close(fd)
