@@ -125,6 +125,14 @@ def publish(
         store.set(stop_key(generation), "1")
     store.set(members_key(generation), json.dumps(members))
     store.set(LATEST, str(generation))
+    for member in members:  # wakes each member's watcher (Membership.watch)
+        store.set(notify_key(member, generation), "1")
+
+
+def notify_key(member: int, generation: int) -> str:
+    """What ``member``'s watcher waits for: generation ``generation`` is out (or
+    the member is closing)."""
+    return f"{PREFIX}notify/{member}/{generation}"
 
 
 @dataclass
@@ -140,17 +148,17 @@ class Generation:
     """Fewer members than the job's minimum: the job ends."""
 
 
-WATCH_SLICE = 1.0
-"""Seconds the watcher waits for the next generation's record before it looks
-whether it is to stop (the membership is closing)."""
+WATCH_SLICE = 3600.0
+"""Seconds of one wait of the watcher (it waits again after each; closing wakes it)."""
+
+WATCH_JOIN = 5.0
+"""Seconds :meth:`Membership.close` waits for the woken watcher to end."""
 
 
 class Membership:
     """This worker's view of a surviving job's membership (see the module docstring)."""
 
-    def __init__(
-        self, store: dist.Store, member: int, timeout: float, watch: dist.Store | None = None
-    ) -> None:
+    def __init__(self, store: dist.Store, member: int, timeout: float) -> None:
         self.store = store
         """The job's store itself (not a generation's prefix)."""
         self.member = member
@@ -161,21 +169,32 @@ class Membership:
         self._seen = 0
         self._closing = False
         self._thread: threading.Thread | None = None
-        if watch is not None:
-            self._thread = threading.Thread(
-                target=self._watch, args=(watch,), name="gradhub-membership", daemon=True
-            )
-            self._thread.start()
-            # A thread still inside a store call when the interpreter exits aborts the
-            # process (c10d's objects are destroyed under it): stop it first.
-            atexit.register(self.close)
+
+    def watch(self, store: dist.Store) -> None:
+        """Start the watcher thread (once this member's generation is known), on
+        ``store``, a connection of its own: a blocking wait would hold the one the
+        collectives check in on."""
+        self._thread = threading.Thread(
+            target=self._watch, args=(store,), name="gradhub-membership", daemon=True
+        )
+        self._thread.start()
+        # A thread still inside a store call when the interpreter exits aborts the
+        # process (c10d's objects are destroyed under it): stop it first.
+        atexit.register(self.close)
 
     def close(self) -> None:
-        """Stop the watcher thread (within :data:`WATCH_SLICE` seconds). Idempotent."""
+        """Stop the watcher thread: wake it with its own notify keys, then join it.
+        Idempotent."""
         self._closing = True
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(2 * WATCH_SLICE)
-            self._thread = None
+        thread, self._thread = self._thread, None
+        if thread is None or thread is threading.current_thread():
+            return
+        try:
+            for generation in range(self.generation + 1, max(self._seen, self.generation) + 3):
+                self.store.set(notify_key(self.member, generation), "1")
+        except RuntimeError as exc:  # the store's host is gone: so is the thread's wait
+            log.debug("[member %d] cannot wake the membership watch: %s", self.member, exc)
+        thread.join(WATCH_JOIN)
 
     @property
     def pending(self) -> bool:
@@ -189,13 +208,14 @@ class Membership:
         while not self._closing:
             after = max(self._seen, self.generation) + 1
             try:
-                store.wait([members_key(after)], timedelta(seconds=WATCH_SLICE))
+                store.wait([notify_key(self.member, after)], timedelta(seconds=WATCH_SLICE))
             except RuntimeError as exc:  # c10d: the wait timed out, or the store is gone
                 if is_timeout(exc):
                     continue
                 log.debug("[member %d] membership watch ends: %s", self.member, exc)
                 return
-            self._seen = after
+            if not self._closing:
+                self._seen = after
 
     def read(self, generation: int, timeout: float | None = None) -> Generation:
         """Generation ``generation``'s record, waiting for it at most ``timeout``
@@ -262,14 +282,17 @@ def join(
             "wrong)\n- help: start the job with `gradhub run -n N --survive script.py`"
         ) from exc
     store = _tcp_client(host, port, member, timeout)
-    membership = Membership(store, member, timeout, _tcp_client(host, port, member, timeout))
+    membership = Membership(store, member, timeout)
     if environ.get(JOINING_ENV) != "1":
         record = membership.read(0)
         while True:
             try:
-                return membership, rebuild(membership, record, backend, timeout, transport), None
+                group = rebuild(membership, record, backend, timeout, transport)
             except MembershipChangedError:  # a worker died before the first group was up
                 record = membership.next()
+                continue
+            membership.watch(_tcp_client(host, port, member, timeout))
+            return membership, group, None
     # A replacement: say it is ready, then wait for the generation that takes it in.
     store.set(ready_key(member), "1")
     generation = int(store.get(LATEST))
@@ -283,6 +306,7 @@ def join(
             generation += 1
             record = membership.read(generation)
             continue
+        membership.watch(_tcp_client(host, port, member, timeout))
         return membership, group, Regrouped.agree(group, record, 0)
 
 
