@@ -121,6 +121,21 @@ def _check_loader(loader: DataLoader[Any], what: str) -> None:
         )
 
 
+def global_batches(
+    size: int, batch_size: int, seed: int, epoch: int, shuffle: bool
+) -> list[torch.Tensor]:
+    """The indices of every global batch of ``epoch`` over ``size`` samples: a
+    permutation drawn from ``seed`` and ``epoch`` (or the plain order), cut into
+    batches of ``batch_size``; never a function of the world size. ``fit``'s
+    batches and :class:`gradhub.GlobalBatchSampler`'s."""
+    if shuffle:
+        g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+        order = torch.randperm(size, generator=g)
+    else:
+        order = torch.arange(size)
+    return list(order.split(batch_size))
+
+
 class Source:
     """One data argument of ``fit``; :meth:`epoch` yields this rank's :class:`Step` s."""
 
@@ -187,13 +202,8 @@ class Source:
     def global_batches(self, epoch: int, *, shuffle: bool | None = None) -> list[torch.Tensor]:
         """The indices of every global batch of ``epoch``: from the seed and the
         epoch only, never the world size."""
-        n = len(self.dataset)
-        if self.shuffle if shuffle is None else shuffle:
-            g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
-            order = torch.randperm(n, generator=g)
-        else:
-            order = torch.arange(n)
-        return list(order.split(self.batch_size))
+        shuffled = self.shuffle if shuffle is None else shuffle
+        return global_batches(len(self.dataset), self.batch_size, self.seed, epoch, shuffled)
 
     def share(self, chunk: torch.Tensor) -> Step:
         """This rank's share of the global batch ``chunk`` (at the current

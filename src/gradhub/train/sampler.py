@@ -42,6 +42,7 @@ import torch.distributed as dist
 from gradhub.errors import InvalidOptionError, MisuseError
 from gradhub.inprocess.merge import split_batch
 from gradhub.runtime import BatchShare, Runtime, current
+from gradhub.train.data import global_batches
 
 
 class GlobalBatchSampler:
@@ -86,12 +87,7 @@ class GlobalBatchSampler:
     def global_batches(self, epoch: int | None = None) -> list[torch.Tensor]:
         """The indices of every global batch of ``epoch`` (default: the current one)."""
         epoch = self.epoch if epoch is None else epoch
-        if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
-            order = torch.randperm(self.size, generator=g)
-        else:
-            order = torch.arange(self.size)
-        chunks = list(order.split(self.global_batch_size))
+        chunks = global_batches(self.size, self.global_batch_size, self.seed, epoch, self.shuffle)
         if self.drop_last and len(chunks[-1]) < self.global_batch_size:
             chunks.pop()
         return chunks
