@@ -259,3 +259,10 @@ class WrongTypeError(GradhubError, TypeError):
     ``str``, a batch whose size cannot be told), or another object than the one
     it belongs to (a ``GradScaler`` given another optimizer than its own); the
     message names what was given and what is expected."""
+
+
+class StateLostError(GradhubError, RuntimeError):
+    """A surviving job lost state that no survivor holds: under ``sharded`` every
+    slice of the optimizer state lives on two ranks, and both holders of a slice
+    died in the same change; names the slice and its holders. Raised on every
+    survivor, which then exits: the job ends as a job without survival would."""

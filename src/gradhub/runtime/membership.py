@@ -363,6 +363,8 @@ class Regrouped:
     behind: list[int] = field(default_factory=list)
     """Ranks that applied fewer steps (a peer died while the last step's results
     were reaching them): they take the source's state (the listeners' job)."""
+    steps: list[int] = field(default_factory=list)
+    """Per rank of the new group, the steps it applied (a replacement: none)."""
 
     @classmethod
     def agree(cls, group: CollectiveGroup, record: Generation, committed: int) -> Regrouped:
@@ -375,6 +377,7 @@ class Regrouped:
             best,
             steps.index(best),
             [r for r, n in enumerate(steps) if n < best],
+            steps,
         )
 
 

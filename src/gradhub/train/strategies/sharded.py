@@ -124,6 +124,7 @@ from gradhub.train.strategies.sharded_state import (
     plain_state_dict,
     to_bytes,
 )
+from gradhub.train.strategies.sharded_survival import ShardedSurvival
 from gradhub.train.strategies.step_flags import StepFlags
 
 _FLOATS = (str(torch.float32), str(torch.bfloat16), str(torch.float16))
@@ -147,10 +148,11 @@ class ShardedConfig:
             raise InvalidOptionError(f"bucket_mb must be > 0, got {self.bucket_mb}")
 
 
-class ShardedStrategy(Strategy):
+class ShardedStrategy(ShardedSurvival, Strategy):
     """Reduce-scatter, all-gather of the gradient, owner-side step (ZeRO-1), all-gather."""
 
     name = "sharded"
+    survives = True
 
     def __init__(self, config: ShardedConfig | None = None, **options: Any) -> None:
         super().__init__()
@@ -167,6 +169,9 @@ class ShardedStrategy(Strategy):
         self._buckets: GradientBuckets | None = None
         self._by_count = False
         self._flags: StepFlags | None = None
+        self._spec: OptimizerSpec | None = None
+        self._sizes: list[list[int]] = []
+        self._counted = False  # a surviving job counted the step when its slices stepped
 
     def setup(self, model: torch.nn.Module, optimizer: Any, runtime: Runtime) -> None:
         """Refuse what ``sharded`` cannot train as DDP would (typed errors naming
@@ -209,17 +214,34 @@ class ShardedStrategy(Strategy):
             p.data = self._flat[offset : offset + p.numel()].view_as(p)
             self._grad_views.append(self._model_grad[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
+        self._spec = spec
+        self._sizes = [[p.numel() for p in g] for g in self._groups]
+        self._check_survivable(self.config.compress)
+        if self.runtime.joined is not None:  # a replacement: its slice from the survivors
+            self._join_sharded()
+            return
+        self._build()
+        self._mirror_slices(None)
+        if loaded is not None:  # state loaded into the plain optimizer before prepare
+            self._load_pieces(loaded)
+            optimizer.state.clear()
+
+    def _build(self) -> None:
+        """The communication over the job's group (again after a regroup): the flat
+        parameter, the slice optimizer, the buckets, the flags, the responder."""
+        assert self._spec is not None
+        device = self._flat.device
+        sixteen = self._flat.dtype != torch.float32
         self._arp = AllReduceParameter(  # on the model's device (a mixed group's is the CPU)
-            size, group=self.runtime.group, compress=self.config.compress, device=device
+            self._flat.numel(),
+            group=self.runtime.group,
+            compress=self.config.compress,
+            device=device,
         )
         self._arp.init(self._flat if sixteen else list(self.params))
         if not sixteen:  # the parameters and gradients become views of the ARP's buffers
             self._bind()
-        sizes = [[p.numel() for p in g] for g in self._groups]
-        self._opt = ShardedOptimizer(self._arp, spec, param_sizes=sizes)
-        if loaded is not None:  # state loaded into the plain optimizer before prepare
-            self._load_pieces(loaded)
-            optimizer.state.clear()
+        self._opt = ShardedOptimizer(self._arp, self._spec, param_sizes=self._sizes)
         self._buckets = GradientBuckets(
             self.params, self._grad, self._arp, self.runtime.group, self.config.bucket_mb
         )
@@ -357,7 +379,18 @@ class ShardedStrategy(Strategy):
                 grad = flat[piece.offset : piece.offset + piece.view.numel()].float()
             grads.append(grad)
         self._opt.step_pieces(grads)
+        self._step_mirrors()  # survival: the slices this rank holds for others
         self._arp.get_weights(self._flat).wait()
+
+    def _count_step(self) -> None:
+        super()._step_done()
+        self._counted = True  # the step's _step_done, after the weights' gather, is this one
+
+    def _step_done(self) -> None:
+        if self._counted:
+            self._counted = False
+            return
+        super()._step_done()
 
     def _apply_unsynced(self) -> None:
         """``step`` with no backward since the last one: as DDP, on what ``.grad``
@@ -388,7 +421,10 @@ class ShardedStrategy(Strategy):
 
     def _load_pieces(self, state: dict[str, Any]) -> None:
         assert self._opt is not None and self.optimizer is not None
-        load_pieces(self._opt, per_parameter(state, self.optimizer.param_groups, self.params))
+        states = per_parameter(state, self.optimizer.param_groups, self.params)
+        load_pieces(self._opt, states)
+        for mirror in self._mirrors:  # a surviving job's copies of other ranks' slices
+            load_pieces(mirror, states)  # type: ignore[arg-type]  # the same fields
 
     def model_loaded(self) -> None:
         """The model's (loaded) values become this rank's master slice."""
@@ -396,6 +432,8 @@ class ShardedStrategy(Strategy):
         start, length = self._arp.local_partition_range
         with torch.no_grad():
             self._arp.weight_partition.copy_(self._flat[start : start + length])
+            for mirror in self._mirrors:
+                mirror.weights.copy_(self._flat[mirror.start : mirror.start + mirror.length])
         self._arp.send_weight_partition()
 
     def close(self) -> None:

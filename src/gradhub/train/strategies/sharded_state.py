@@ -313,6 +313,14 @@ class ShardResponder:
             self._await_peers()
         self._stop()
 
+    def drop(self) -> None:
+        """Stop at once, waiting for no peer (a surviving job's group changed:
+        the peers answer under a new responder). Idempotent."""
+        if not self._closed:
+            self._closed = True
+            atexit.unregister(self._at_exit)
+            self._stop()
+
     def _at_exit(self) -> None:
         # A script that never closes the model (DDP scripts do not): a rank that
         # is done still answers a peer's later state_dict() (imagenet saves on
