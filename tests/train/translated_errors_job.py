@@ -1,7 +1,7 @@
 """One 2-rank job that provokes the low-level failures of training gradhub translates
 (run by test_train_translated_errors.py): each is caught where it happens and raised
 as the errors.py class that names the cause. (The shared-memory transport's are
-tested with it, in tests/collective/.)"""
+tested with it, in tests/transports/.)"""
 
 from __future__ import annotations
 

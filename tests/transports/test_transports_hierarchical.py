@@ -156,7 +156,7 @@ def job(
         out["bucket/bf16"] = bucket
         chosen = transport.chosen(group)
     # One rank per host: the flat ring, with the bits of one host (shared memory
-    # gives the ring's bits: test_collective_shm.py).
+    # gives the ring's bits: test_transports_shm.py).
     os.environ["GRADHUB_HOST_ID"] = f"host-{rank}"
     with local_group(rank, world_size, ring_port, timeout=60) as group:
         flat = rank_values(SIZES[-1], rank)

@@ -11,7 +11,7 @@ packed straight from their fields (:func:`pack`: the bytes
 straight into its fields (:func:`read_ack`: the checks
 :func:`~.framing.decode` makes, in a few comparisons). Any other message
 reads as ``None``: the caller decodes it the general way, which accepts it or
-says what is wrong with it. ``tests/ps/test_ps_small.py`` holds both ways
+says what is wrong with it. ``tests/ps/wire/test_ps_small.py`` holds both ways
 against :mod:`.framing`.
 """
 

@@ -2,7 +2,7 @@
 
 Every job runs the shared-memory path and the ring side by side on the same
 inputs, so "same bits" is checked directly (the ring itself is checked against
-a single-process reference in test_collective_ring.py).
+a single-process reference in test_transports_ring.py).
 """
 
 from __future__ import annotations
