@@ -255,7 +255,7 @@ def abandon(group: CollectiveGroup, reason: str) -> None:
     """Leave ``group`` for good after a peer's death: later operations on it
     are refused, and its gloo connections are aborted so that a survivor still
     waiting on this rank fails now (see the module docstring)."""
-    group.mark_broken(reason)
+    group.mark_broken(reason, peer=True)
     try:
         group.process_group.abort()
     except RuntimeError as exc:  # a backend without abort: its peers time out

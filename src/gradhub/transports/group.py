@@ -140,6 +140,7 @@ class CollectiveGroup:
         self._lock = threading.Lock()
         self._worker = Worker(self.rank, alone=self.world_size == 1)
         self._broken: str | None = None
+        self._broken_by_peer = False  # a peer's death or timeout broke it
         self._closed = False
         self._scratch: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
         self._on_close: list[Callable[[], None]] = []
@@ -203,10 +204,12 @@ class CollectiveGroup:
         (``check_in=False``: a transport that tells who entered by itself)."""
         self._check_open(name)
         if self._broken is not None:
-            raise StateError(
+            message = (
                 f"[rank {self.rank}] {name}: the group is broken by an earlier failure "
                 f"({self._broken}); destroy the process group and set it up again"
             )
+            # A peer's death or silence is one still: survival regroups on it.
+            raise (WorkerFailedError if self._broken_by_peer else StateError)(message)
         with self._lock:
             self._sequence += 1
             sequence = self._sequence
@@ -237,7 +240,7 @@ class CollectiveGroup:
         (a timeout at once); the group is broken after it."""
         if is_timeout(exc) or op.remaining() <= 0:
             return self.timed_out(op, peer)
-        self._broken = f"{op.name} failed"
+        self._broken, self._broken_by_peer = f"{op.name} failed", True
         absent = self.missing_ranks(op.sequence)
         silent, gave_up = self._roll_call(op)
         if gave_up:
@@ -268,7 +271,7 @@ class CollectiveGroup:
     ) -> CollectiveTimeoutError:
         """The error of ``op`` timing out waiting on ``peer``; ``absent``: the
         ranks known not to have entered it (read from the check-ins when not given)."""
-        self._broken = f"{op.name} timed out"
+        self._broken, self._broken_by_peer = f"{op.name} timed out", True
         self._note(f"gave-up/{op.sequence}")
         if absent is None:
             absent = self.missing_ranks(op.sequence)
@@ -286,10 +289,12 @@ class CollectiveGroup:
             missing, detail = [], ""
         return self._log(CollectiveTimeoutError(op.name, missing, op.timeout, detail))
 
-    def mark_broken(self, reason: str) -> None:
+    def mark_broken(self, reason: str, *, peer: bool = False) -> None:
         """Refuse every later operation: ``reason`` (e.g. ``"all_gather failed"``)
-        left messages or shared state of an operation half done."""
-        self._broken = reason
+        left messages or shared state of an operation half done; ``peer``: a
+        peer's death or silence did (later operations raise
+        :class:`~gradhub.errors.WorkerFailedError`, else :class:`~gradhub.errors.StateError`)."""
+        self._broken, self._broken_by_peer = reason, peer
 
     def _log(self, err: T) -> T:
         _log.error("[rank %d] %s", self.rank, err)

@@ -146,7 +146,7 @@ def late_error(
 ) -> CollectiveTimeoutError:
     """``op`` ran out of time on this rank waiting on rank ``waited_on``;
     ``behind``: the ranks that had not entered it. Breaks the group."""
-    group.mark_broken(f"{op.name} timed out")
+    group.mark_broken(f"{op.name} timed out", peer=True)
     detail = f"not entered the operation; rank {group.rank} was waiting on rank {waited_on}"
     err = CollectiveTimeoutError(op.name, behind or [waited_on], op.timeout, detail)
     _log.error("[rank %d] %s", group.rank, err)
@@ -157,7 +157,7 @@ def died_error(
     group: CollectiveGroup, op: Operation, rank: int, pid: int | None, during: str
 ) -> WorkerFailedError:
     """Rank ``rank`` (process ``pid``) died during ``during`` of ``op``. Breaks the group."""
-    group.mark_broken(f"{op.name} failed")
+    group.mark_broken(f"{op.name} failed", peer=True)
     err = WorkerFailedError(
         f"[rank {group.rank}] {op.name}: rank {rank} (pid {'?' if pid is None else pid}) "
         f"died during {during} (shared memory). This group is unusable after it: a job "
@@ -171,7 +171,7 @@ def died_error(
 def _died_of(
     group: CollectiveGroup, op: Operation, ranks: Sequence[int], index: int
 ) -> WorkerFailedError:
-    group.mark_broken(f"{op.name} failed")
+    group.mark_broken(f"{op.name} failed", peer=True)
     return WorkerFailedError(
         f"[rank {group.rank}] {op.name}: rank {ranks[index]} left during the "
         "shared-memory set-up. The group is unusable: stop this process and restart the job"
