@@ -9,6 +9,8 @@ features, 4 classes), SGD with momentum (or AdamW), global batches of 32:
   first layer's weight (whose gradient comes last), when the other buckets'
   all-reduces are under way (``bucket_mb`` is tiny: one bucket per parameter);
 - ``between``: after the step committed (fit's ``on_step``);
+- ``exchange``: in the optimizer's step, right after this rank's update (under
+  ``sharded``: its slice stepped, before the updated slices are all-gathered);
 - ``checkpoint``: half way through writing its checkpoint file of the step
   (with ``--checkpoint-every``; ``STEP`` counts the steps committed);
 - ``start``: before it joins the job (``STEP`` is ignored).
@@ -39,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data import DataLoader, TensorDataset
 
 import gradhub
@@ -105,6 +108,7 @@ def main() -> None:
     p.add_argument("--hold", type=int, default=0, help="from this step, wait for a replacement")
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--workers", type=int, default=4, help="the job's workers (with --hold)")
+    p.add_argument("--strategy", default="allreduce")
     args = p.parse_args()
     pid = os.getpid()
     member = int(os.environ.get("GRADHUB_MEMBER", "0"))
@@ -120,6 +124,12 @@ def main() -> None:
                 die(args.out, member)
 
         model[0].weight.register_post_accumulate_grad_hook(in_backward)
+
+        def in_exchange(*_: Any) -> None:  # after any optimizer's step: the first is ours
+            if plan.get(runtime.committed_steps) == "exchange":
+                die(args.out, member)
+
+        register_optimizer_step_post_hook(in_exchange)
         save = torch.save
 
         def in_checkpoint(obj: Any, f: Any, *rest: Any, **kw: Any) -> None:
@@ -142,7 +152,7 @@ def main() -> None:
                     hold_for_replacement(runtime, args.workers)
 
             with gradhub.DataParallelTrainer(
-                model, optimizer, strategy="allreduce", runtime=runtime, bucket_mb=1e-4
+                model, optimizer, strategy=args.strategy, runtime=runtime, bucket_mb=1e-4
             ) as trainer:
                 result = trainer.fit(
                     (x, y),
@@ -181,7 +191,7 @@ def own_loop(
     sampler = gradhub.GlobalBatchSampler(dataset, BATCH, shuffle=True, seed=0)
     loader = DataLoader(dataset, batch_sampler=sampler, num_workers=args.loader_workers)
     ddp_model, opt = gradhub.prepare(
-        model, optimizer, strategy="allreduce", runtime=runtime, bucket_mb=1e-4
+        model, optimizer, strategy=args.strategy, runtime=runtime, bucket_mb=1e-4
     )
     iterations = 0
     for epoch in range(runtime.committed_steps // len(sampler), args.epochs):  # a replacement's

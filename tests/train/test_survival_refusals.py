@@ -26,7 +26,7 @@ def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.SGD(model.parameters(), lr=0.1)
 
 
-@pytest.mark.parametrize("strategy", ["sharded", "ps-sync", "diloco"])
+@pytest.mark.parametrize("strategy", ["ps-sync"])
 def test_strategies_that_do_not_survive_refuse_at_prepare(
     surviving: gradhub.Runtime, strategy: str
 ) -> None:
@@ -42,6 +42,17 @@ def test_allreduce_refuses_compression_a_comm_hook_and_join(surviving: gradhub.R
         model.register_comm_hook(None, lambda state, bucket: bucket)
     with pytest.raises(MisuseError, match="join\\(\\) in a surviving job"):
         model.join()
+
+
+def test_sharded_refuses_a_wire_codec_and_16_bit_parameters(surviving: gradhub.Runtime) -> None:
+    """Its mirrors keep fp32 masters that are the parameters themselves."""
+    with pytest.raises(UnsupportedByStrategyError, match="compress='bf16'"):
+        gradhub.prepare(*_model(), strategy="sharded", compress="bf16", runtime=surviving)
+    model, _ = _model()
+    model.bfloat16()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(UnsupportedByStrategyError, match="torch.bfloat16"):
+        gradhub.prepare(model, optimizer, strategy="sharded", runtime=surviving)
 
 
 def test_survive_true_outside_the_surviving_launcher_is_refused(

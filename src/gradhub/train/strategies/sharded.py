@@ -334,10 +334,11 @@ class ShardedStrategy(ShardedSurvival, Strategy):
         # Per parameter: ranks that hold a gradient; last: the summed sample count.
         assert self._flags is not None
         count = self._samples[0] if self._by_count and self._samples else 0
-        self._flags.write([p.grad is not None for p in self.params], count)
+        self._flags.write([p.grad is not None for p in self.params], count, self._joining())
         counted = self._flags.launch()  # queued behind the reduce-scatters
         reduced = self._arp.aggregate_gradient_partition()
         used, total = self._flags.read(None if counted is None else counted.wait)
+        self._regroup_after = self.runtime.survive and self._flags.regroup()
         if not self._buckets.wait_gathered():
             if self._by_count:
                 reduced.div_(total)
