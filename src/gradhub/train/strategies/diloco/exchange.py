@@ -16,8 +16,9 @@ gather sums in fp32 only. No error feedback: each sync's rounding is lost
 (the streaming DiLoCo paper's 4-bit pseudo-gradients keep none either, and
 the outer momentum averages it over the syncs).
 
-Behind every exchange, a 3-float fp32 all-reduce of the weight and the
-backward-count check (host data where the group carries host memory). Both
+Behind every exchange, a 4-float fp32 all-reduce (:class:`Tally`: the
+weight, the backward-count check, and whether a rank saw a newer membership
+of a surviving job; host data where the group carries host memory). Both
 run on the group's worker thread: :func:`start` returns at once and
 :meth:`Exchange.wait` gives the result, so inner steps may run between.
 """
@@ -29,8 +30,35 @@ import torch
 from gradhub import codecs
 from gradhub.collective import CollectiveFuture, CollectiveGroup, all_reduce
 from gradhub.collective.collectives import run_all_gather
+from gradhub.train.strategies.diloco.servers import ServerSync
 
 _PLAIN = codecs.NoCompression()
+
+TALLY = 4
+"""Values of a tally: the rank's weight, its backward count (mod 64) and its
+square, and 1 where it saw a newer membership of a surviving job."""
+
+
+class Tally:
+    """The 4 floats summed behind each exchange, in a tensor on the group's
+    device; written and read through a NumPy view where that is host memory
+    (no host synchronisation)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.tensor = torch.zeros(TALLY, dtype=torch.float32, device=device)
+        self._host = self.tensor.numpy() if self.tensor.device.type == "cpu" else None
+
+    def write(self, values: list[float]) -> None:
+        """Set the values (a saved tally of an older layout is padded with zeros)."""
+        full = [*values, *[0.0] * (TALLY - len(values))]
+        if self._host is not None:
+            self._host[:] = full
+        else:
+            self.tensor.copy_(torch.tensor(full), non_blocking=True)
+
+    def read(self) -> list[float]:
+        host = self._host if self._host is not None else self.tensor.cpu().numpy()
+        return [float(v) for v in host]
 
 
 class Exchange:
@@ -51,6 +79,21 @@ class Exchange:
             future.wait()
         self._waits = []
         return self.flat, self.tally
+
+
+class Pending:
+    """A fragment's exchange in flight (or the servers' sync), merged after
+    ``remaining`` more inner steps; ``start``: where the local progress of those
+    steps starts (with ``overlap``)."""
+
+    def __init__(
+        self,
+        fragment: int,
+        job: Exchange | ServerSync,
+        start: list[torch.Tensor] | None,
+        tau: int,
+    ) -> None:
+        self.fragment, self.job, self.start, self.remaining = fragment, job, start, tau
 
 
 def start(
@@ -88,4 +131,4 @@ def _gather_and_sum(
     return out
 
 
-__all__ = ["Exchange", "start"]
+__all__ = ["TALLY", "Exchange", "Pending", "Tally", "start"]

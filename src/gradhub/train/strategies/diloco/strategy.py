@@ -21,31 +21,21 @@ from gradhub.errors import (
 from gradhub.train.strategies.base import Strategy, load_keeping_objects
 from gradhub.train.strategies.diloco import exchange, fragments
 from gradhub.train.strategies.diloco.config import DiLoCoConfig, build_outer, check_option_names
+from gradhub.train.strategies.diloco.resync import Resync
 from gradhub.train.strategies.diloco.servers import OuterServers, ServerSync
+from gradhub.train.strategies.survival import PEER_FAILURES
 
 _WIDTHS = (torch.float32, torch.bfloat16, torch.float16)
 _CHECKED = 64
 """Backward counts are compared modulo this (exact fp32 sums up to 4096 ranks)."""
 
 
-class _Pending:
-    """A fragment's exchange in flight, merged after ``remaining`` more inner steps."""
-
-    def __init__(
-        self,
-        fragment: int,
-        job: exchange.Exchange | ServerSync,
-        start: list[torch.Tensor] | None,
-        tau: int,
-    ) -> None:
-        self.fragment, self.job, self.start, self.remaining = fragment, job, start, tau
-
-
-class DiLoCoStrategy(Strategy):
+class DiLoCoStrategy(Resync, Strategy):
     """Inner steps on each worker; every H-th step (per fragment, at its offset), an
     outer step on the averaged pseudo-gradient, which every worker takes."""
 
     name = "diloco"
+    survives = True
 
     def __init__(self, config: DiLoCoConfig | None = None, **options: Any) -> None:
         super().__init__()
@@ -70,7 +60,7 @@ class DiLoCoStrategy(Strategy):
         self._globals: list[float | None] = [0.0] * count  # global_samples, if every step had it
         self.servers: OuterServers | None = None
         """The parameter servers' client (``servers=``), connected at set-up."""
-        self._pending: _Pending | None = None
+        self._pending: exchange.Pending | None = None
         self._flat = torch.zeros(0)
         self._slices: list[tuple[int, int]] = []
 
@@ -90,6 +80,7 @@ class DiLoCoStrategy(Strategy):
                 "trainable parameters; a fragment holds whole parameters\n- help: at most "
                 f"fragments={len(self.params)}"
             )
+        self._refuse_under_survival()
         # The outer optimizer first: a bad one is refused before anything changes.
         shared = [p.detach().float().clone() for p in self.params]
         self.outer = build_outer(self.config.outer_optimizer, shared)
@@ -104,10 +95,7 @@ class DiLoCoStrategy(Strategy):
             self._slices.append((offset, p.numel()))
             offset += p.numel()
         self._flat = torch.zeros(offset, dtype=torch.float32, device=self.params[0].device)
-        # The weight and the backward-count check: host data, summed in host memory
-        # where the group carries host tensors (read through a NumPy view, no sync).
-        self._tally = torch.zeros(3, dtype=torch.float32, device=self.runtime.group.device)
-        self._tally_host = self._tally.numpy() if self._tally.device.type == "cpu" else None
+        self._tally = exchange.Tally(self.runtime.group.device)
         if self.config.servers is not None:  # they hold the shared weights from now on
             name_of = {id(p): n for n, p in model.named_parameters()}
             names = [name_of[id(p)] for p in self.params]
@@ -170,6 +158,14 @@ class DiLoCoStrategy(Strategy):
     def _step_done(self) -> None:
         super()._step_done()
         self.inner_done = (self.inner_done + 1) % self.config.inner_steps
+        try:
+            self._sync_due()
+        except PEER_FAILURES as exc:  # survival: the sync again over the survivors
+            self._sync_failed(exc)
+
+    def _sync_due(self) -> None:
+        """Merge the exchange whose overlap ended; start (and, with ``overlap=0``,
+        merge) the sync of the fragment whose offset this step is."""
         pending = self._pending
         if pending is not None:
             pending.remaining -= 1
@@ -215,34 +211,30 @@ class DiLoCoStrategy(Strategy):
             start = None
             if tau:  # where the local progress of the next tau steps starts
                 start = [self.params[i].detach().to(torch.float32, copy=True) for i in members]
+        self._keep(f, flat, weight)
         count = self._backwards[f] % _CHECKED
-        tally = [weight, float(count), float(count * count)]
-        if self._tally_host is not None:
-            self._tally_host[:] = tally
-        else:
-            self._tally.copy_(torch.tensor(tally), non_blocking=True)
+        self._tally.write([weight, float(count), float(count * count), self._sees_joining()])
         self._samples_seen[f], self._plain[f], self._backwards[f] = None, 0, 0
         self._globals[f] = 0.0
         job: exchange.Exchange | ServerSync
         if self.servers is None:
-            job = exchange.start(flat, self._tally, self.codec, self.runtime.group)
+            job = exchange.start(flat, self._tally.tensor, self.codec, self.runtime.group)
         else:
             if self.config.diloco_mode == "sync":  # divided by the summed weights first
-                all_reduce(self._tally, group=self.runtime.group).wait()
-                host = self._tally_host if self._tally_host is not None else self._tally.cpu()
-                total = self._check_tally([float(v) for v in host])
+                all_reduce(self._tally.tensor, group=self.runtime.group).wait()
+                total = self._check_tally(self._tally.read())
                 if total != 1.0:
                     flat.div_(total)
             spans = [(i, *self._slices[i]) for i in members]
             views = [self._flat[o : o + n].view_as(self.shared[i]) for i, o, n in spans]
             self.servers.push(members, views)
             job = self.servers.pull(members)
-        self._pending = _Pending(f, job, start, tau)
+        self._pending = exchange.Pending(f, job, start, tau)
 
     def _check_tally(self, tally: list[float]) -> float:
         """The summed weights, once the summed tally says every worker made the same
         number of backward passes since the last sync and some weight is > 0."""
-        total, counts, squares = tally
+        total, counts, squares = tally[:3]
         if self.world_size * squares != counts * counts:
             raise MisuseError(
                 f"at the sync after step {self.steps} the workers made different numbers of "
@@ -267,9 +259,10 @@ class DiLoCoStrategy(Strategy):
         if isinstance(pending.job, ServerSync):  # the servers took the outer step
             pending.job.wait()
         else:
-            flat, tally = pending.job.wait()
-            host = self._tally_host if self._tally_host is not None else tally.cpu().numpy()
-            total = self._check_tally([float(v) for v in host])
+            flat, _ = pending.job.wait()
+            tally = self._tally.read()
+            total = self._check_tally(tally)
+            self._regroup_after = self.runtime.survive and tally[3] > 0
             with torch.no_grad():
                 if total != 1.0:
                     flat.div_(total)
@@ -287,10 +280,12 @@ class DiLoCoStrategy(Strategy):
                     p.copy_(s)
                 else:  # the new shared weights plus the progress made since the start
                     p.copy_(s + (p.detach().float() - pending.start[k]))
+        self._applied = True  # the outer step is in: a regroup now must not redo it
         buffers = f == 0 and self.world_size > 1 and self.ddp.sync_buffers_at_forward
         buffers = buffers and self.config.diloco_mode == "sync"
         if buffers and self._buffers():
             self._broadcast(self._buffers(), 0)
+        self._kept, self._applied = None, False
 
     # state ---------------------------------------------------------------------------
 
@@ -312,9 +307,8 @@ class DiLoCoStrategy(Strategy):
         if isinstance(pending.job, ServerSync):
             pending.job.wait()
             return out
-        flat, tally = pending.job.wait()
-        host = self._tally_host if self._tally_host is not None else tally.cpu().numpy()
-        return {**out, "sum": flat.detach().clone(), "tally": [float(v) for v in host]}
+        flat, _ = pending.job.wait()
+        return {**out, "sum": flat.detach().clone(), "tally": self._tally.read()}
 
     def _load_pending(self, saved: dict[str, Any] | None) -> None:
         if self._pending is not None:  # its sum is about to land in the flat buffer
@@ -334,7 +328,7 @@ class DiLoCoStrategy(Strategy):
             )
         if self.servers is not None:  # the pulled weights came with the shared ones
             job = ServerSync([], self.config.timeout)
-            self._pending = _Pending(f, job, start, int(saved["remaining"]))
+            self._pending = exchange.Pending(f, job, start, int(saved["remaining"]))
             return
         lo, hi = self._span(f)
         flat = self._flat[lo:hi]
@@ -342,12 +336,9 @@ class DiLoCoStrategy(Strategy):
             raise ShapeMismatchError("the pending exchange's sum", flat.shape, saved["sum"].shape)
         with torch.no_grad():
             flat.copy_(saved["sum"])
-        if self._tally_host is not None:
-            self._tally_host[:] = saved["tally"]
-        else:
-            self._tally.copy_(torch.tensor(saved["tally"]))
-        self._pending = _Pending(
-            f, exchange.Exchange(flat, self._tally, []), start, int(saved["remaining"])
+        self._tally.write(list(saved["tally"]))
+        self._pending = exchange.Pending(
+            f, exchange.Exchange(flat, self._tally.tensor, []), start, int(saved["remaining"])
         )
 
     def optimizer_state_dict(self) -> dict[str, Any]:
