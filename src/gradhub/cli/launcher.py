@@ -158,12 +158,11 @@ class LaunchConfig:
                 f"--min-workers must be in [1, {workers}] (the workers started), "
                 f"got {self.min_workers}"
             )
-        if self.servers > 0:
+        if self.servers > 0 and self.max_restarts > 0:
             raise InvalidOptionError(
-                "--survive does not take --servers yet: it keeps the workers running over a "
-                "dead one's loss under the strategy that keeps its state in the workers "
-                "(allreduce)\n- help: drop --survive for a job that restarts from its "
-                "checkpoints"
+                "--survive with --servers does not take --max-restarts yet: the survivors "
+                "go on against the servers, but a replacement cannot join them\n- help: "
+                "drop --max-restarts (the job goes on over the survivors)"
             )
 
 

@@ -41,6 +41,7 @@ from gradhub.optim import OptimizerSpec
 from gradhub.ps.base import ParameterServer, Replicas, as_replicas, check_key
 from gradhub.ps.client import optim_slices
 from gradhub.ps.client.addresses import check_address
+from gradhub.ps.client.admin import ServerRequests
 from gradhub.ps.client.channel import Channel
 from gradhub.ps.client.config import ClientConfig
 from gradhub.ps.client.link import Request
@@ -59,7 +60,7 @@ __all__ = ["DEFAULT_SLICE_BYTES", "ClientConfig", "RemoteParameterServer", "chec
 log = logging.getLogger(__name__)
 
 
-class RemoteParameterServer(ParameterServer):
+class RemoteParameterServer(ServerRequests, ParameterServer):
     """A client of one or more ``gradhub serve`` processes.
 
     Configured by a :class:`~gradhub.ps.client.config.ClientConfig` (its fields
@@ -136,6 +137,7 @@ class RemoteParameterServer(ParameterServer):
         priority: int = 0,
         hyperparameters: Mapping[str, Any] | None = None,
         skip: bool = False,
+        step: tuple[int, int] | None = None,
     ) -> Future[None]:
         """Send the sum of ``grads``; the future is done once the server accepted it.
 
@@ -144,9 +146,12 @@ class RemoteParameterServer(ParameterServer):
         sends a *skip push* (a loss scaler skipped this step): the server
         counts it as this worker's step on the key (ssp staleness; a sync
         round, as a zero contribution) and applies nothing; send zeros.
+        ``step``: a surviving job's (step, membership generation) of a sync
+        push: the server applies each step of a key once (see
+        :meth:`set_members`).
         """
         self._check_open()
-        if type(grads) is torch.Tensor and not hyperparameters and not skip:
+        if type(grads) is torch.Tensor and not hyperparameters and not skip and step is None:
             sent = self._push_one(key, grads, priority)
             if sent is not None:
                 return sent
@@ -156,6 +161,8 @@ class RemoteParameterServer(ParameterServer):
             fields["hyperparameters"] = dict(hyperparameters)
         if skip:
             fields["skip"] = True
+        if step is not None:
+            fields["step"], fields["generation"] = int(step[0]), int(step[1])
         meta = meta_json(fields) if fields else b""
         reps = [g.detach() for g in as_replicas(grads, what="grads")]
         total = reps[0]
@@ -338,27 +345,6 @@ class RemoteParameterServer(ParameterServer):
             len(self.addresses),
             self.slice_bytes,
         )
-
-    def stats(self) -> list[dict[str, Any]]:
-        """Each server's counters and accounting (blocks up to ``timeout``)."""
-        self._check_open()
-        out: list[dict[str, Any]] = []
-        for i in range(len(self.addresses)):
-            box: list[dict[str, Any]] = []
-
-            def keep(msg: Message, box: list[dict[str, Any]] = box) -> None:
-                box.append(json.loads(msg.text()))
-
-            self._submit(Op.STATS, "", "", i, on_reply=keep).result()
-            out.append(box[0])
-        return out
-
-    def shutdown_servers(self) -> None:
-        """Ask every server to checkpoint and exit."""
-        self._check_open()
-        futures = [self._submit(Op.SHUTDOWN, "", "", i) for i in range(len(self.addresses))]
-        for f in futures:
-            f.result()
 
     def flush(self, timeout: float | None = None) -> None:
         """Return once every server holds everything it acknowledged to this client on disk.

@@ -22,6 +22,23 @@ of the slowest live worker (ssp), so it does not hold the others back.
 
 Decision: until ``workers`` distinct workers have registered, the missing ones
 count as live workers at step 0, so an early starter does not run rounds alone.
+
+A surviving job (``gradhub run --survive``) says who its workers are
+(:meth:`Consistency.set_members`, each membership generation after a worker's
+death) and tags its sync pushes with the job's step and generation:
+
+- A tagged push joins the round of its **step** (not of its count of pushes),
+  which is applied once every member of the current membership pushed for it;
+  a silent member is not dropped from it by the heartbeat timeout, only by a
+  new membership. A push for a step already applied on the key is ignored:
+  the survivors train a failed step again, and a key whose round was applied
+  before the death keeps that update (the redo's gradient is the same global
+  batch's).
+- A new membership (a higher generation) drops the rounds not applied yet
+  (the survivors push that step again, split over themselves), takes the
+  missing workers out of rounds and staleness for good (a late message of a
+  dead worker neither rejoins it nor joins a round), and ignores every push
+  tagged with an older generation (one still on its way from before).
 """
 
 from __future__ import annotations
@@ -60,6 +77,9 @@ class Consistency:
         self.steps: dict[str, dict[int, int]] = {}  # key -> worker -> step
         self.rounds_applied: dict[str, int] = {}
         self.pending: dict[str, dict[int, _Round]] = {}
+        self.generation = 0  # the last membership a surviving job told (set_members)
+        self.left: set[int] = set()  # workers a membership left out: never live again
+        self.applied_step: dict[str, int] = {}  # key -> its last applied step (tagged pushes)
 
     # -- membership ---------------------------------------------------------
     def seen(self, worker: int, *, pushing: bool = False, now: float | None = None) -> bool:
@@ -70,7 +90,7 @@ class Consistency:
         it live and brings it back after a drop.
         """
         self.heard.add(worker)
-        if worker not in self.registered and not pushing:
+        if worker in self.left or (worker not in self.registered and not pushing):
             return False
         self.last_seen[worker] = time.monotonic() if now is None else now
         if worker in self.live:
@@ -112,17 +132,33 @@ class Consistency:
         self.steps.pop(key, None)
         self.rounds_applied.pop(key, None)
         self.pending.pop(key, None)
+        self.applied_step.pop(key, None)
 
     def push(
-        self, worker: int, key: str, grad: torch.Tensor, *, skip: bool = False
-    ) -> list[torch.Tensor]:
-        """Account for one push; returns the gradients to apply now, in order.
+        self,
+        worker: int,
+        key: str,
+        grad: torch.Tensor,
+        *,
+        skip: bool = False,
+        step: int | None = None,
+        generation: int | None = None,
+    ) -> list[torch.Tensor] | None:
+        """Account for one push; returns the gradients to apply now, in order, or
+        ``None`` where the push is ignored (see the module docstring).
 
         ``skip``: a skip push (its step was skipped by a loss scaler): it
         advances the worker's step and contributes nothing (async, ssp:
-        nothing to apply; sync: it joins its round as zeros).
+        nothing to apply; sync: it joins its round as zeros). ``step`` and
+        ``generation``: a surviving job's tags (sync: the round is the step's).
         """
+        if generation is not None and generation < self.generation:
+            return None  # made before the last membership: its step is trained again
+        if worker in self.left and self.mode == "sync":
+            return None
         steps = self.steps.setdefault(key, {})
+        if self.mode == "sync" and step is not None:
+            return self._push_step(worker, key, grad, step, skip)
         if self.mode != "sync":
             steps[worker] = steps.get(worker, 0) + 1
             return [] if skip else [grad]
@@ -141,10 +177,74 @@ class Consistency:
         rounds[rnd].contributors.add(worker)
         return self.complete_rounds(key)
 
+    def _push_step(
+        self, worker: int, key: str, grad: torch.Tensor, step: int, skip: bool
+    ) -> list[torch.Tensor] | None:
+        """A tagged sync push: it joins the round of ``step``."""
+        if step <= self.applied_step.setdefault(key, -1):
+            return None  # that step of the key is applied: a redo keeps the first update
+        rounds = self.pending.setdefault(key, {})
+        rnd = rounds.get(step)
+        if rnd is not None and worker in rnd.contributors:
+            return None  # one push per worker and step
+        if skip:
+            grad = torch.zeros_like(grad)
+        if rnd is None:
+            rounds[step] = _Round(grad.clone())  # a copy, as in push
+        else:
+            rnd.total += grad
+        rounds[step].contributors.add(worker)
+        steps = self.steps[key]
+        steps[worker] = steps.get(worker, 0) + 1
+        return self.complete_rounds(key)
+
+    def _complete_steps(self, key: str) -> list[torch.Tensor]:
+        """The tagged rounds of ``key`` that every member has pushed for, in step order."""
+        out: list[torch.Tensor] = []
+        rounds = self.pending.get(key, {})
+        members = self.registered - self.left
+        while rounds and not max(0, self.workers - len(self.registered)):
+            step = min(rounds)
+            if not members <= rounds[step].contributors:
+                break
+            out.append(rounds.pop(step).total)
+            self.applied_step[key] = step
+            self.rounds_applied[key] = self.rounds_applied.get(key, 0) + 1
+        return out
+
+    def set_members(self, members: list[int], generation: int) -> bool:
+        """A surviving job's membership ``generation``: ``members`` are its workers
+        from now on (see the module docstring). False if it is not newer than the
+        last one told (the same message again)."""
+        if generation <= self.generation:
+            return False
+        self.generation = generation
+        live = set(members)
+        self.left |= (self.registered | self.live) - live
+        self.left -= live
+        self.registered |= live
+        self.live = set(live)
+        self.workers = len(live)
+        now = time.monotonic()
+        for w in live:
+            self.last_seen[w] = now
+        if self.mode == "sync":
+            for key, rounds in self.pending.items():
+                rounds.clear()
+                steps = self.steps.get(key, {})
+                for w in live:  # their pushes of the dropped rounds no longer count
+                    steps[w] = min(steps.get(w, 0), self.rounds_applied.get(key, 0))
+        log.info(
+            "membership %d: workers %s (left: %s)", generation, sorted(live), sorted(self.left)
+        )
+        return True
+
     def complete_rounds(self, key: str) -> list[torch.Tensor]:
         """Sync mode: the sums of the rounds of ``key`` that are now complete."""
         if self.mode != "sync":
             return []
+        if key in self.applied_step:
+            return self._complete_steps(key)
         out: list[torch.Tensor] = []
         rounds = self.pending.get(key, {})
         missing = max(0, self.workers - len(self.registered))
@@ -162,6 +262,8 @@ class Consistency:
             return True
         steps = self.steps.get(key, {})
         mine = steps.get(worker, 0)
+        if self.mode == "sync" and key in self.applied_step:  # tagged: its rounds applied
+            return not any(worker in r.contributors for r in self.pending.get(key, {}).values())
         if self.mode == "sync":
             return self.rounds_applied.get(key, 0) >= mine
         others = [s for w, s in steps.items() if w in self.live]
@@ -178,11 +280,14 @@ class Consistency:
         never = self._never_pushed()
         steps = self.steps.get(key, {})
         if self.mode == "sync":
+            rounds = self.pending.get(key, {})
             rnd = self.rounds_applied.get(key, 0)
-            pending = self.pending.get(key, {}).get(rnd)
+            if key in self.applied_step:  # tagged: the oldest step waiting
+                rnd = min(rounds, default=self.applied_step[key] + 1)
+            pending = rounds.get(rnd)
             done = pending.contributors if pending is not None else set()
             late = [str(w) for w in sorted(self.live - done)]
-            what = f"sync round {rnd} of {key!r}"
+            what = f"sync {'step' if key in self.applied_step else 'round'} {rnd} of {key!r}"
         else:
             mine = steps.get(worker, 0)
             behind = sorted(w for w in self.live if steps.get(w, 0) < mine - self.max_staleness)
@@ -215,6 +320,9 @@ class Consistency:
             "registered": sorted(self.registered),
             "steps": {k: dict(v) for k, v in self.steps.items()},
             "rounds_applied": dict(self.rounds_applied),
+            "generation": self.generation,
+            "left": sorted(self.left),
+            "applied_step": dict(self.applied_step),
             "pending": {
                 k: {r: (p.total, sorted(p.contributors)) for r, p in rounds.items()}
                 for k, rounds in self.pending.items()
@@ -225,8 +333,13 @@ class Consistency:
         """Restore accounting; workers count as live again until they miss heartbeats."""
         now = time.monotonic()
         self.registered = set(state["registered"])
-        self.live = set(self.registered)
-        self.last_seen = dict.fromkeys(self.registered, now)
+        self.generation = int(state.get("generation", 0))
+        self.left = set(state.get("left", ()))
+        self.applied_step = dict(state.get("applied_step", {}))
+        if self.generation:
+            self.workers = len(self.registered - self.left)
+        self.live = self.registered - self.left
+        self.last_seen = dict.fromkeys(self.live, now)
         self.steps = {k: dict(v) for k, v in state["steps"].items()}
         self.rounds_applied = dict(state["rounds_applied"])
         self.pending = {
@@ -240,6 +353,8 @@ class Consistency:
             "workers": self.workers,
             "registered": sorted(self.registered),
             "live": sorted(self.live),
+            "generation": self.generation,
+            "left": sorted(self.left),
             "rounds_applied": dict(self.rounds_applied),
             # key -> worker id (a string: the report is JSON) -> its step on the key
             "steps": {k: {str(w): n for w, n in v.items()} for k, v in self.steps.items()},

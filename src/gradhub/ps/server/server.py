@@ -4,9 +4,10 @@ through the server's :meth:`~Server._reply`).
 
 One thread runs the loop: it drains every message waiting on the socket,
 queues data operations (init, push, pull) by priority, runs them, answers
-control operations (hello, heartbeat, stats, flush, shutdown) at once, expires
-silent workers and writes checkpoints. Being single-threaded, it needs no
-locks and its checkpoints are consistent by construction.
+control operations (hello, heartbeat, stats, flush, shutdown, a surviving
+job's membership) at once, expires silent workers and writes checkpoints.
+Being single-threaded, it needs no locks and its checkpoints are consistent
+by construction.
 
 Decisions:
 - Every reply carries the server's *incarnation* (random per start); a data
@@ -260,6 +261,10 @@ class Server:
             self._reply(msg)
         elif h.op == Op.STATS:
             self._reply(msg, payload=json.dumps(self.service.stats()).encode())
+        elif h.op == Op.MEMBERS:  # answered at once: no queued push may wait on it
+            told = msg.meta_json()
+            self.service.set_members(list(told["members"]), int(told["generation"]))
+            self._reply(msg)
         elif h.op == Op.SHUTDOWN:
             self._shutdown(msg)
 

@@ -28,6 +28,10 @@ Decisions:
   :mod:`gradhub.ps.server.waits`); a sync or ssp pull that waits too long is answered
   with an error naming the workers it waits for.
 - A push holding NaN or infinity is refused (``NonFiniteError``), nothing changed.
+- A surviving job's sync push (meta ``step`` and ``generation``) that the
+  accounting ignores (its step is applied on the key, or it was made before
+  the last membership) is acknowledged and counted as ``push_superseded``,
+  never applied (:mod:`gradhub.ps.server.consistency`).
 - A *skip push* (meta ``{"skip": true}``, sent for a step a loss scaler
   skipped) counts as the worker's step on the key and applies nothing
   (counted as ``push_skipped``, not in ``push_applied``).
@@ -47,7 +51,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -60,6 +64,7 @@ from gradhub.ps.server.config import NO_OPTIMIZER, ServerConfig, default_optimiz
 from gradhub.ps.server.consistency import Consistency
 from gradhub.ps.server.dedupe import Ledger
 from gradhub.ps.server.persist import Persistence
+from gradhub.ps.server.replies import Reply, no_reply
 from gradhub.ps.server.store import ParameterStore
 from gradhub.ps.server.waits import Waits, client_timeout
 from gradhub.ps.wire import optim_state, status
@@ -77,6 +82,7 @@ COUNTERS = (
     "push_applied",
     "push_skipped",
     "push_duplicate",
+    "push_superseded",
     "updates",
     "pull",
     "pull_waited",
@@ -100,32 +106,6 @@ def make_store(config: ServerConfig) -> ParameterStore:
         return ParameterStore(None, fixed=True)
     assert isinstance(config.optimizer, OptimizerSpec)  # ServerConfig normalised it
     return ParameterStore(config.optimizer, fixed=True)
-
-
-class Reply(Protocol):
-    """How a service's answer leaves: the server's reply to ``msg``."""
-
-    def __call__(
-        self,
-        msg: Message,
-        status: Status = Status.OK,
-        payload: torch.Tensor | bytes | None = None,
-        *,
-        aux: int = 0,
-        meta: bytes = b"",
-    ) -> None: ...
-
-
-def _no_reply(
-    msg: Message,
-    status: Status = Status.OK,
-    payload: torch.Tensor | bytes | None = None,
-    *,
-    aux: int = 0,
-    meta: bytes = b"",
-) -> None:
-    """The replies to requests replayed from the log: answered before, by the
-    process that logged them."""
 
 
 class Service:
@@ -193,7 +173,7 @@ class Service:
             self._durable = self.ledger.lows()
             log.info("resumed %d key(s) from checkpoint %s", len(self.store), self.persist.path)
         if logged:
-            reply, self._reply = self._reply, _no_reply
+            reply, self._reply = self._reply, no_reply
             try:
                 for msg in logged:
                     msg.routing = [b""]
@@ -336,27 +316,42 @@ class Service:
         # gradient, checked, an update that is one add_ or copy_, no log to sync
         # first. The update runs while the answer travels, before any later request.
         early = small and not self.persist.durable and self.store.plain_update(msg.key)
+        early = early and "step" not in meta  # a surviving job's sync push may be ignored
         if early:
             self._accepted(msg, skip)
         self.consistency.seen(h.worker_id, pushing=True)  # valid: a member from now on
-        for total in self.consistency.push(h.worker_id, msg.key, grad, skip=skip):
+        step, generation = meta.get("step"), meta.get("generation")
+        totals = self.consistency.push(
+            h.worker_id, msg.key, grad, skip=skip, step=step, generation=generation
+        )
+        for total in totals or ():
             self._apply(msg.key, total)
         self.persist.log(msg)
         if not early:
-            self._accepted(msg, skip)
+            self._accepted(msg, skip, applied=totals is not None)
         self._wake(msg.key)
 
-    def _accepted(self, msg: Message, skip: bool) -> None:
-        """Mark a push applied, count it and answer it."""
+    def _accepted(self, msg: Message, skip: bool, applied: bool = True) -> None:
+        """Mark a push applied (or ignored: ``applied=False``), count it and answer it."""
         h = msg.header
         self.ledger.mark(h.worker_id, h.session, h.seq)
         self._dirty = True
-        if skip:
+        if not applied:
+            self.counters["push_superseded"] += 1
+        elif skip:
             self.counters["push_skipped"] += 1
         else:
             self.counters["push_applied"] += 1
             self.pushes_by_worker[h.worker_id] = self.pushes_by_worker.get(h.worker_id, 0) + 1
         self._reply(msg, aux=self.durable_low(h.worker_id, h.session))
+
+    def set_members(self, members: list[int], generation: int) -> None:
+        """A surviving job's new membership (:mod:`gradhub.ps.server.consistency`):
+        the pulls that waited for a dropped round or a dead worker are answered."""
+        if self.consistency.set_members(members, generation):
+            self._dirty = True
+            for key in self._rounds.held_keys():
+                self._wake(key)
 
     def _state(self, msg: Message) -> None:
         """Answer with the key's optimizer state (after the pushes queued before it)."""

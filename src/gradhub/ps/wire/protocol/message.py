@@ -56,6 +56,7 @@ class Op(enum.IntEnum):
     BYE = 9  # the server is going away (sent by the server, unrequested)
     STATE = 10  # read a key's optimizer state (gradhub.ps.wire.optim_state)
     SET_STATE = 11  # replace a key's optimizer state
+    MEMBERS = 12  # a surviving job's membership (meta: members, generation)
 
 
 MUTATING = (Op.PUSH, Op.INIT, Op.SET_STATE)

@@ -2,20 +2,21 @@
 
 See :mod:`gradhub.train.strategies.ps` for what each strategy promises; the
 pieces are in :mod:`.servers` (keys), :mod:`.hyper` (hyperparameters),
-:mod:`.state` (optimizer state), :mod:`.coordination` (among the workers).
+:mod:`.state` (optimizer state), :mod:`.coordination` (among the workers),
+:mod:`.surviving` (a surviving job).
 """
 
 from __future__ import annotations
 
 import logging
 from concurrent.futures import Future
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from gradhub._config import config_or_options
 from gradhub.collective import all_reduce
-from gradhub.errors import GradhubError
+from gradhub.errors import GradhubError, StateError
 from gradhub.optim import OptimizerSpec
 from gradhub.train.strategies.base import Strategy
 from gradhub.train.strategies.ps.coordination import broadcast_json, on_rank0
@@ -31,7 +32,11 @@ from gradhub.train.strategies.ps.servers import (
 )
 from gradhub.train.strategies.ps.state import fetch as fetch_state
 from gradhub.train.strategies.ps.state import load_hyperparameters, local_state, per_key
+from gradhub.train.strategies.ps.surviving import settle
 from gradhub.train.strategies.step_flags import StepFlags
+
+if TYPE_CHECKING:
+    from gradhub.runtime.membership import Regrouped
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +45,7 @@ class _PSStrategy(Strategy):
     mode: ClassVar[str]
     needs_optimizer = False
     state_outlives_workers = True
+    survives = True
 
     def __init__(self, config: PSConfig | None = None, **options: Any) -> None:
         super().__init__()
@@ -52,6 +58,7 @@ class _PSStrategy(Strategy):
         self._hyper = HyperparameterTracker(None, [])
         self._flags: StepFlags | None = None
         self._device = torch.device("cpu")
+        self._staging: list[torch.Tensor] = []  # a surviving ps-sync step's pulls
 
     # set-up -----------------------------------------------------------------------
 
@@ -82,7 +89,8 @@ class _PSStrategy(Strategy):
         self._hyper = HyperparameterTracker(optimizer, [k.group for k in self._keys])
         # Rank 0's parameters (frozen ones too) and buffers everywhere first.
         self._broadcast_from_rank0(model)
-        self._client, reports = connect(self.config, rt.rank, addresses, self.mode, self.name)
+        worker = rt.rank if rt.membership is None else rt.membership.member  # kept by regroups
+        self._client, reports = connect(self.config, worker, addresses, self.mode, self.name)
         try:
             local = {} if optimizer is None else local_state(optimizer)
 
@@ -192,10 +200,15 @@ class _PSStrategy(Strategy):
                     for i in members
                 ]
             )
-            if dtype == torch.float32:  # the job's transport (shared memory on one host)
-                all_reduce(flat, group=self.runtime.group).wait()
-            else:
-                self.runtime.all_reduce_sum(flat, where=where)
+            try:
+                if dtype == torch.float32:  # the job's transport (shared memory on one host)
+                    all_reduce(flat, group=self.runtime.group).wait()
+                else:
+                    self.runtime.all_reduce_sum(flat, where=where)
+            except StateError:  # the group broke in the flags' sum: raise what broke it
+                if counted is not None:
+                    counted.wait()
+                raise
             offset = 0
             for i in members:
                 n = self._keys[i].param.numel()
@@ -219,7 +232,45 @@ class _PSStrategy(Strategy):
         self._hyper.begin_step()
         pushes = self._push_shares() if self.mode == "sync" else self._push_own()
         self._settle(pushes)
-        self.refresh()
+        if not self.runtime.survive:
+            self.refresh()
+        elif self.mode == "sync":
+            self._pull_staged()  # the parameters change once every key came back
+        else:  # every worker's pushes accepted: the step commits (see .surviving)
+            self.runtime.all_reduce_sum(torch.zeros(1), where=f"step {self.steps} pushed")
+            self.refresh()
+
+    def _pull_staged(self) -> None:
+        """A surviving ps-sync step: pull every key aside, then into the parameters."""
+        if not self._staging:
+            self._staging = [torch.empty_like(key.param.data) for key in self._keys]
+        pulls = [
+            self._client.pull(key.wire, into, priority=-i)
+            for i, (key, into) in enumerate(zip(self._keys, self._staging, strict=True))
+        ]
+        self._settle(pulls)
+        with torch.no_grad():
+            for key, pulled in zip(self._keys, self._staging, strict=True):
+                key.param.data.copy_(pulled)
+
+    def _rebind(self) -> None:
+        self._flags = StepFlags(len(self._keys), self.runtime.group)
+
+    def _regrouped(self, done: Regrouped) -> None:
+        """After a regroup: the servers learn the new membership (from the new rank
+        0; see :mod:`.surviving`); a rank behind, and every ps-async/ssp worker,
+        pulls the servers' values. A ps-sync worker that is not behind keeps the
+        values its failed step started from: the redo's gradient is taken there."""
+        self._rebind()
+        self._staging = []  # a late answer to the failed step's pulls lands in the old ones
+
+        def tell() -> int:
+            self._client.set_members(done.members, done.generation)
+            return 0
+
+        on_rank0(self.runtime, tell, "tell the servers the new membership", self.name)
+        if self.mode != "sync" or self.runtime.rank in done.behind:
+            self.refresh()
 
     def _apply_unsynced(self) -> None:
         """``step`` with no backward since the last step: as DDP's optimizer steps
@@ -234,6 +285,7 @@ class _PSStrategy(Strategy):
         round's sum on the servers is that gradient, bit for bit. A key whose
         ``.grad`` is None (no worker used it, agreed in backward) is not pushed."""
         rt = self.runtime
+        tag = (rt.committed_steps, rt.generation) if rt.survive else None  # see .surviving
         pushes = []
         for i, key in enumerate(self._keys):
             g = key.param.grad
@@ -241,7 +293,9 @@ class _PSStrategy(Strategy):
                 continue
             share = g.detach() if i % rt.world_size == rt.rank else torch.zeros_like(g)
             hyper = self._hyper.for_push(i)
-            pushes.append(self._client.push(key.wire, share, priority=-i, hyperparameters=hyper))
+            pushes.append(
+                self._client.push(key.wire, share, priority=-i, hyperparameters=hyper, step=tag)
+            )
         return pushes
 
     def _push_own(self) -> list[Future[None]]:
@@ -331,8 +385,8 @@ class _PSStrategy(Strategy):
         self._settle(pulls)
 
     def _settle(self, futures: list[Future[None]]) -> None:
-        for f in futures:
-            f.result(timeout=self.config.timeout + 5.0)
+        where = f"step {self.steps} of strategy {self.name!r}"
+        settle(futures, self.config.timeout + 5.0, self.runtime.membership, where)
 
     def close(self) -> None:
         if self._client is not None:
