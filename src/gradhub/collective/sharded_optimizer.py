@@ -110,6 +110,8 @@ class Piece:
     """The parameter's position among all of ``param_sizes``, group after group."""
     offset: int
     """Where the piece starts inside the parameter (flattened)."""
+    start: int
+    """Where the piece starts inside this rank's slice."""
     view: torch.Tensor
     """The piece of ``weight_partition``: the slice optimizer's parameter."""
 
@@ -208,7 +210,7 @@ class ShardedOptimizer:
     def apply(self, gradient: torch.Tensor) -> torch.Tensor:
         """Step with ``gradient`` (this slice's, already aggregated) and publish."""
         if self.pieces:
-            return self.step_pieces([gradient[self._at(p) : self._end(p)] for p in self.pieces])
+            return self.step_pieces([gradient[p.start : self._end(p)] for p in self.pieces])
         for view, (a, b) in zip(self.views, self._cuts, strict=True):
             view.grad = gradient[a:b] if len(self.views) > 1 else gradient
         return self._step_and_publish(self.views)
@@ -232,11 +234,8 @@ class ShardedOptimizer:
         self.parameter.send_weight_partition()
         return self.parameter.weight_partition
 
-    def _at(self, piece: Piece) -> int:
-        return int(piece.view.storage_offset() - self.parameter.weight_partition.storage_offset())
-
     def _end(self, piece: Piece) -> int:
-        return self._at(piece) + piece.view.numel()
+        return piece.start + piece.view.numel()
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard of the optimizer state."""
@@ -257,7 +256,9 @@ def _pieces(
         for n in sizes:
             a, b = max(offset, start), min(offset + n, start + length)
             if b > a:
-                pieces.append(Piece(group, index, a - offset, weights[a - start : b - start]))
+                pieces.append(
+                    Piece(group, index, a - offset, a - start, weights[a - start : b - start])
+                )
             offset += n
             index += 1
     return pieces

@@ -30,7 +30,9 @@ The prepared optimizer's ``step``: the slice optimizer steps this rank's
 pieces of the parameters with this rank's part of whatever ``.grad`` then
 holds, so momentum or Adam state exists once across the job instead of once
 per rank; then the updated slices are all-gathered straight into the flat
-vector the parameters view.
+vector the parameters view. In the usual loop (nothing written to ``.grad``
+between backward and step) both already ran during the backward, bucket by
+bucket, aside, and ``step`` keeps them: the same bits (:mod:`.sharded_ahead`).
 
 Decisions:
 - Full gradients in ``.grad`` rather than distributed tensors (FSDP2's way):
@@ -98,7 +100,6 @@ Decisions:
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -108,11 +109,13 @@ from gradhub import codecs
 from gradhub._config import config_or_options
 from gradhub.collective import AllReduceParameter, ShardedOptimizer, all_gather
 from gradhub.collective.sharded_optimizer import check_elementwise
-from gradhub.errors import InvalidOptionError, UnsupportedByStrategyError
+from gradhub.errors import UnsupportedByStrategyError
 from gradhub.optim import OptimizerSpec
 from gradhub.runtime import Runtime
 from gradhub.train.strategies.base import Strategy
+from gradhub.train.strategies.sharded_ahead import StepAhead
 from gradhub.train.strategies.sharded_buckets import GradientBuckets
+from gradhub.train.strategies.sharded_config import ShardedConfig
 from gradhub.train.strategies.sharded_state import (
     ShardResponder,
     assemble,
@@ -128,24 +131,6 @@ from gradhub.train.strategies.sharded_survival import ShardedSurvival
 from gradhub.train.strategies.step_flags import StepFlags
 
 _FLOATS = (str(torch.float32), str(torch.bfloat16), str(torch.float16))
-
-
-@dataclass(kw_only=True)
-class ShardedConfig:
-    """Settings of the ``sharded`` strategy."""
-
-    compress: str = "none"
-    """Wire codec for gradients and weights: ``"none"``, ``"fp16"``, ``"bf16"``,
-    ``"bf16-truncate"``; arithmetic and master weights stay fp32."""
-    bucket_mb: float = 25.0
-    """Gradient bucket size in megabytes (fp32): fewer, larger messages vs. earlier overlap."""
-    overlap: bool = True
-    """Start each bucket's reduce-scatter from backward hooks as soon as it is full."""
-
-    def __post_init__(self) -> None:
-        codecs.check(self.compress, for_="sharded")  # an error now, not mid-job
-        if not self.bucket_mb > 0:
-            raise InvalidOptionError(f"bucket_mb must be > 0, got {self.bucket_mb}")
 
 
 class ShardedStrategy(ShardedSurvival, Strategy):
@@ -169,6 +154,7 @@ class ShardedStrategy(ShardedSurvival, Strategy):
         self._buckets: GradientBuckets | None = None
         self._by_count = False
         self._flags: StepFlags | None = None
+        self._ahead: StepAhead | None = None
         self._spec: OptimizerSpec | None = None
         self._sizes: list[list[int]] = []
         self._counted = False  # a surviving job counted the step when its slices stepped
@@ -246,6 +232,10 @@ class ShardedStrategy(ShardedSurvival, Strategy):
             self.params, self._grad, self._arp, self.runtime.group, self.config.bucket_mb
         )
         self._flags = StepFlags(len(self.params), self.runtime.group)
+        wanted = self.config.step_ahead and self.config.overlap and not sixteen
+        wanted = wanted and not self.runtime.survive  # a failed step must change nothing
+        ahead = StepAhead.made(self._opt, self._arp, self.runtime, self.params, wanted)
+        self._buckets.ahead = self._ahead = ahead
         self._start_responder()  # last: a request may come as soon as it runs
 
     def _bind(self) -> None:
@@ -316,10 +306,10 @@ class ShardedStrategy(ShardedSurvival, Strategy):
     # one synchronising backward ------------------------------------------------------
 
     def _begin_sync(self) -> None:
-        assert self._buckets is not None
+        assert self._buckets is not None and self.optimizer is not None
         scale, self._by_count = self._weights()
         # Sums divided by a count known only after backward are gathered after it.
-        self._buckets.begin(scale, gather=not self._by_count)
+        self._buckets.begin(scale, gather=not self._by_count, live=self.optimizer.param_groups)
 
     def _grad_ready(self, p: torch.Tensor) -> None:
         if self.config.overlap:
@@ -354,6 +344,7 @@ class ShardedStrategy(ShardedSurvival, Strategy):
         for p, view, anywhere in zip(self.params, self._grad_views, used, strict=True):
             if anywhere and p.grad is not view:
                 p.grad = view
+        self._buckets.backward_done(bool(used.all()))
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """torch's clip over ``model.parameters()`` (its order: the same bits as
@@ -372,6 +363,9 @@ class ShardedStrategy(ShardedSurvival, Strategy):
         assert self._arp is not None and self._opt is not None and self.optimizer is not None
         for mine, live in zip(self._opt.param_groups, self.optimizer.param_groups, strict=True):
             mine.update({k: v for k, v in live.items() if k != "params"})
+        if self._ahead is not None and self._ahead.keep(self.optimizer.param_groups):
+            self._flat = self._ahead.weights  # stepped during the backward: sharded_ahead
+            return
         grads: list[torch.Tensor | None] = []
         for piece in self._opt.pieces:
             grad = self.params[piece.index].grad
@@ -381,7 +375,7 @@ class ShardedStrategy(ShardedSurvival, Strategy):
             grads.append(grad)
         self._opt.step_pieces(grads)
         self._step_mirrors()  # survival: the slices this rank holds for others
-        self._arp.get_weights(self._flat).wait()
+        (self._ahead.gather() if self._ahead else self._arp.get_weights(self._flat)).wait()
 
     def _count_step(self) -> None:
         super()._step_done()

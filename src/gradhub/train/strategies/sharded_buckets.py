@@ -14,7 +14,8 @@ the bucket's place in the flat vector while the backward goes on, so only
 the last bucket's exchange is left when backward ends. The bits are those
 of one all-gather of the whole summed vector after the backward. Without
 it (the sums are first divided by a count known only then) the caller
-gathers after :meth:`GradientBuckets.finish`.
+gathers after :meth:`GradientBuckets.finish`. With an :attr:`GradientBuckets.ahead`
+(:mod:`.sharded_ahead`), each gathered bucket's update is queued behind it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from gradhub import codecs
 from gradhub.collective import AllReduceParameter, CollectiveFuture, CollectiveGroup
 from gradhub.collective.collectives import run_all_gather
 from gradhub.partition import segment_ranges
+from gradhub.train.strategies.sharded_ahead import StepAhead
 
 
 class GradientBuckets:
@@ -66,14 +68,19 @@ class GradientBuckets:
         self._scale = 1.0
         self._gather = False
         self._gathers: list[CollectiveFuture[torch.Tensor]] = []
+        self.ahead: StepAhead | None = None
+        """Where each gathered bucket's update is taken during the backward, if anywhere."""
 
-    def begin(self, scale: float, *, gather: bool) -> None:
-        """A synchronising backward starts: this rank's gradients count ``scale`` times."""
+    def begin(self, scale: float, *, gather: bool, live: list[dict[str, Any]]) -> None:
+        """A synchronising backward starts: this rank's gradients count ``scale``
+        times (``live``: the script's parameter groups, for :attr:`ahead`)."""
         self._ready = [0] * len(self._buckets)
         self._filled.clear()
         self._next = 0
         self._scale, self._gather = scale, gather
         self._gathers = []
+        if self.ahead is not None:
+            self.ahead.begin(live, wanted=gather)
 
     def ready(self, p: torch.Tensor) -> None:
         """``p.grad`` holds its accumulated gradient: fill its slot, launch full buckets."""
@@ -93,6 +100,11 @@ class GradientBuckets:
         for future in self._gathers:
             future.wait()
         return self._gather
+
+    def backward_done(self, all_used: bool) -> None:
+        """``.grad`` holds the gathered sums (every parameter used somewhere: ``all_used``)."""
+        if self.ahead is not None:
+            self.ahead.backward_done(all_used, len(self._buckets))
 
     def _fill(self, p: torch.Tensor) -> None:
         b, offset = self._slot[id(p)]
@@ -118,6 +130,8 @@ class GradientBuckets:
             self._arp.put_gradient_segment(self._grad[offset : offset + n], offset)
             if self._gather:
                 self._gathers.append(self._gather_segment(offset, n))
+                if self.ahead is not None:
+                    self.ahead.bucket(offset, n)
             self._next += 1
 
     def _gather_segment(self, offset: int, n: int) -> CollectiveFuture[torch.Tensor]:
