@@ -2,15 +2,14 @@
 
 :class:`GroupBase` is the ``dist.ProcessGroup`` subclass torch sees; it holds the
 two inner gloo groups, builds the transports' :class:`~gradhub.collective.CollectiveGroup`
-at the first operation, runs operation bodies on its one worker thread in call
-order and answers torch's name and description calls (DeviceMesh and FSDP2
-need them). :class:`~gradhub.backend.process_group.GradhubProcessGroup` adds
-the operations.
+at the first operation, runs operation bodies in call order on its one worker
+thread (small ones on the calling thread where nothing is queued) and answers
+torch's name and description calls (DeviceMesh and FSDP2 need them).
+:class:`~gradhub.backend.process_group.GradhubProcessGroup` adds the operations.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -27,10 +26,16 @@ from gradhub.backend.work import GradhubWork
 from gradhub.collective import CollectiveGroup
 from gradhub.errors import ClosedError
 from gradhub.transports.choice import chosen
+from gradhub.transports.worker import Worker
 
 _log = logging.getLogger("gradhub.backend")
 
 Tensors = Sequence[torch.Tensor]
+
+IN_PLACE_BYTES = 8 << 20
+"""The largest operation on gradhub's transports that runs on the calling
+thread where the group's worker is idle (``benchmarks/backend.py``'s
+all-reduce rows)."""
 
 
 def destroy_inner(pg: dist.ProcessGroup) -> None:
@@ -61,9 +66,7 @@ class GroupBase(dist.ProcessGroup):
         self._collectives = collectives
         self._store = store
         self._context: Context | None = None
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=f"gradhub-backend-r{rank}"
-        )
+        self._worker = Worker(rank, name="gradhub-backend")
         self._group_name = ""
         self._group_desc = ""
         self._closed = False
@@ -106,9 +109,9 @@ class GroupBase(dist.ProcessGroup):
     # ------------------------------------------------------------ machinery
     @property
     def _ctx(self) -> Context:
-        """The transports' group, made at the first operation (on the worker
-        thread): torch's rank lookups need the default group, which does not
-        exist yet while torch builds this one."""
+        """The transports' group, made at the first operation (on the thread
+        that runs it): torch's rank lookups need the default group, which does
+        not exist yet while torch builds this one."""
         if self._context is None:
             group = CollectiveGroup(
                 self._collectives,
@@ -123,8 +126,21 @@ class GroupBase(dist.ProcessGroup):
         return Call(name, self._rank, self._size)
 
     def _submit(
-        self, name: str, outputs: list[torch.Tensor], body: Callable[[], None]
+        self,
+        name: str,
+        outputs: list[torch.Tensor],
+        body: Callable[[], None],
+        nbytes: int | None = None,
     ) -> GradhubWork:
+        """Run ``body`` after every operation called before it; its work.
+
+        ``nbytes``: the bytes of an operation on gradhub's transports. One of
+        at most :data:`IN_PLACE_BYTES` runs on the calling thread where the
+        worker is idle (:meth:`~gradhub.transports.worker.Worker.here`): its
+        work is done when the call returns, and the hand-off to the worker
+        and back, which costs more than such an operation's own work, is
+        saved. Anything else runs on the worker thread.
+        """
         if self._closed:
             raise ClosedError(f"[rank {self._rank}] {name}: the gradhub process group is closed")
         work = GradhubWork(name, self._rank, self._timeout, outputs)
@@ -141,7 +157,8 @@ class GroupBase(dist.ProcessGroup):
             else:
                 work._finish()
 
-        self._executor.submit(run)
+        if nbytes is None or nbytes > IN_PLACE_BYTES or not self._worker.here(run):
+            self._worker.submit(name, self._timeout, run)
         return work
 
     def _gloo(
@@ -179,7 +196,7 @@ class GroupBase(dist.ProcessGroup):
         if self._closed:
             return
         self._closed = True
-        self._executor.shutdown(wait=True)
+        self._worker.shutdown()
         if self._context is not None:
             self._context.group.close()
         for pg in (self._collectives, self._p2p):

@@ -140,6 +140,11 @@ def on_transport(tensors: Sequence[torch.Tensor], reduction: Reduction | None = 
     )
 
 
+def nbytes(tensors: Sequence[torch.Tensor]) -> int:
+    """The bytes of ``tensors`` together."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def premultiply(tensors: Sequence[torch.Tensor], reduction: Reduction) -> None:
     """Multiply by ``PREMUL_SUM``'s factor in place (floating-point tensors:
     :mod:`.checks` refused the others)."""
@@ -166,6 +171,8 @@ def _adjacent(tensors: Sequence[torch.Tensor]) -> bool:
     first = tensors[0]
     if not first.is_contiguous():
         return False
+    if len(tensors) == 1:
+        return True
     end = first.data_ptr() + first.numel() * first.element_size()
     storage = first.untyped_storage().data_ptr()
     for t in tensors[1:]:

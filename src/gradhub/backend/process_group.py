@@ -3,7 +3,10 @@
 Every collective returns its :class:`~gradhub.backend.work.GradhubWork` at once
 and runs on the group's one worker thread, in call order (the same order on
 every rank, as torch requires), so DDP's bucket all-reduces overlap the
-backward pass as they do on gloo. Point-to-point messages go straight to the
+backward pass as they do on gloo; one on gradhub's transports of at most
+:data:`~gradhub.backend.group_base.IN_PLACE_BYTES` runs on the calling thread
+instead where nothing is queued before it (its work is done on return: the
+thread hand-offs would cost more than the operation). Point-to-point messages go straight to the
 group's point-to-point gloo group, as gloo's own do. What runs where, and the
 numerics, are in :mod:`gradhub.backend.operations`.
 
@@ -68,7 +71,10 @@ class GradhubProcessGroup(GroupBase):
         call.reduction(tensors, red)
         if ops.on_transport(tensors, red):
             return self._submit(
-                name, list(tensors), lambda: ops.transport_all_reduce(self._ctx, name, tensors, red)
+                name,
+                list(tensors),
+                lambda: ops.transport_all_reduce(self._ctx, name, tensors, red),
+                ops.nbytes(tensors),
             )
 
         def gloo(pg: dist.ProcessGroup, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> Any:
@@ -97,7 +103,7 @@ class GradhubProcessGroup(GroupBase):
                 ops.transport_broadcast(self._ctx, "broadcast", stand_in, opts.rootRank)
                 ops.copy_back(tensors, [stand_in], copied)
 
-            return self._submit("broadcast", list(tensors), body)
+            return self._submit("broadcast", list(tensors), body, ops.nbytes(tensors))
         return self._gloo(
             "broadcast",
             [],
@@ -128,6 +134,7 @@ class GradhubProcessGroup(GroupBase):
                 "allgather",
                 flat_out,
                 lambda: ops.transport_all_gather(self._ctx, "allgather", outs, inp),
+                ops.nbytes(flat_out),
             )
         width = len(output_tensors[0]) if output_tensors else 0
 
@@ -149,6 +156,7 @@ class GradhubProcessGroup(GroupBase):
                 "all_gather_single",
                 [output],
                 lambda: ops.transport_all_gather(self._ctx, "all_gather_single", [output], input),
+                ops.nbytes([output]),
             )
         return self._gloo(
             "all_gather_single",
@@ -217,6 +225,7 @@ class GradhubProcessGroup(GroupBase):
                 "reduce_scatter",
                 [out],
                 lambda: ops.transport_reduce_scatter(self._ctx, "reduce_scatter", out, chunks, red),
+                ops.nbytes(flat_in),
             )
         width = len(input_tensors[0]) if input_tensors else 0
 
@@ -246,6 +255,7 @@ class GradhubProcessGroup(GroupBase):
                 name,
                 [output],
                 lambda: ops.transport_reduce_scatter(self._ctx, name, output, chunks, red),
+                ops.nbytes([input]),
             )
 
         def gloo(pg: dist.ProcessGroup, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> Any:

@@ -1,7 +1,9 @@
 """The ``Work`` an operation of the gradhub backend returns at once.
 
 An operation runs later, on its group's worker thread (or, for point-to-point
-messages, on gloo's); :class:`GradhubWork` is its handle:
+messages, on gloo's), or, when it is small and nothing is queued before it,
+on the calling thread before the call returns; :class:`GradhubWork` is its
+handle either way:
 
 - ``wait(timeout)`` blocks until it finished, at most ``timeout`` (a
   ``timedelta``; zero or none: as long as the operation itself may take, which
@@ -53,7 +55,11 @@ def _unwrap(fut: torch.futures.Future[_Outcome]) -> list[torch.Tensor]:
 
 
 class GradhubWork(dist._Work):
-    """One operation of a gradhub process group; see the module docstring."""
+    """One operation of a gradhub process group; see the module docstring.
+
+    An operation that ran on the calling thread is done before anyone holds
+    its work, so the event a waiter sleeps on and the futures are made only
+    when asked for (:meth:`wait` of a pending one, :meth:`get_future`)."""
 
     def __init__(self, name: str, rank: int, timeout: float, outputs: list[torch.Tensor]):
         super().__init__()
@@ -61,27 +67,49 @@ class GradhubWork(dist._Work):
         self._rank = rank
         self._timeout = timeout
         self._outputs = outputs
-        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._complete = False
+        self._done: threading.Event | None = None
         self._error: BaseException | None = None
         self._started: float | None = None
-        self._raw: torch.futures.Future[_Outcome] = torch.futures.Future()
-        self._future = self._raw.then(_unwrap)
+        self._raw: torch.futures.Future[_Outcome] | None = None
+        self._future: torch.futures.Future[list[torch.Tensor]] | None = None
 
     # ------------------------------------------------------- worker side
     def _start(self) -> None:
         self._started = time.monotonic()
 
     def _finish(self, error: BaseException | None = None) -> None:
-        """Record the outcome and resolve the future (callbacks run here)."""
-        self._error = error
-        self._done.set()
-        self._raw.set_result(_Outcome(self._outputs, error))
+        """Record the outcome, wake the waiters and resolve the future (its
+        callbacks run here)."""
+        with self._lock:
+            self._error = error
+            self._complete = True
+            done, raw = self._done, self._raw
+        if done is not None:
+            done.set()
+        if raw is not None:
+            raw.set_result(_Outcome(self._outputs, error))
 
     # -------------------------------------------------------- caller side
     def wait(self, timeout: timedelta | float | None = None) -> bool:
-        limit = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+        if not self._complete:
+            self._sleep(timeout.total_seconds() if isinstance(timeout, timedelta) else timeout)
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def _sleep(self, limit: float | None) -> None:
+        """Wait until the operation finished, at most ``limit`` seconds (none or
+        zero: as long as the operation itself may take, plus :data:`WAIT_GRACE`)."""
+        with self._lock:
+            if self._complete:
+                return
+            if self._done is None:
+                self._done = threading.Event()
+            done = self._done
         begin = time.monotonic()
-        while not self._done.wait(0.2):
+        while not done.wait(0.2):
             now = time.monotonic()
             if limit is not None and limit > 0 and now - begin >= limit:
                 raise CollectiveTimeoutError(
@@ -95,18 +123,24 @@ class GradhubWork(dist._Work):
                     self._timeout,
                     "the operation did not return past its own deadline",
                 )
-        if self._error is not None:
-            raise self._error
-        return True
 
     def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
-        return self._future
+        with self._lock:
+            if self._future is not None:
+                return self._future
+            raw: torch.futures.Future[_Outcome] = torch.futures.Future()
+            future = raw.then(_unwrap)
+            self._raw, self._future = raw, future
+            resolve = self._complete
+        if resolve:  # finished before anyone asked: resolved here (callbacks run here)
+            raw.set_result(_Outcome(self._outputs, self._error))
+        return future
 
     def is_completed(self) -> bool:
-        return self._done.is_set()
+        return self._complete
 
     def is_success(self) -> bool:
-        return self._done.is_set() and self._error is None
+        return self._complete and self._error is None
 
     def exception(self) -> BaseException | None:
         return self._error
@@ -116,7 +150,7 @@ class GradhubWork(dist._Work):
         return self._outputs
 
     def __repr__(self) -> str:
-        state = "done" if self._done.is_set() else "pending"
+        state = "done" if self._complete else "pending"
         return f"GradhubWork({self.name!r}, {state})"
 
 

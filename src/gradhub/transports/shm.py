@@ -12,11 +12,10 @@ nothing behind: the kernel frees a segment when its last mapping goes.
   addresses (:mod:`.shm_control`, which also waits and names the rank that
   does not come).
 - A data segment holds two sets of one region per rank (each region as large
-  as the vector); operation ``k`` uses set ``k % 2``. It grows (a new segment
-  from the leader, sent over the socket) when a larger vector comes; every
-  rank grows at the same operation because every rank sees the same sizes.
-  Memory: ``2 * ranks * (largest vector in bytes)`` per host, resident once
-  touched, until the group closes.
+  as the vector); operation ``k`` uses set ``k % 2`` (:mod:`.shm_regions`,
+  which grows it when a larger vector comes). Memory: ``2 * ranks *
+  (largest vector in bytes)`` per host, resident once touched, until the
+  group closes.
 
 Algorithm (one synchronisation per operation):
 
@@ -94,7 +93,7 @@ import torch
 
 from gradhub import codecs
 from gradhub._shm import cma
-from gradhub._shm.memory import Mapping, forgetting_views, supported
+from gradhub._shm.memory import forgetting_views, supported
 from gradhub.errors import ClosedError, CollectiveTimeoutError, StateError, WorkerFailedError
 from gradhub.transports.base import Chunking, Ranges, Transport
 from gradhub.transports.group import CollectiveGroup, Operation
@@ -106,20 +105,13 @@ from gradhub.transports.shm_control import (
     Control,
     control_bytes,
 )
-from gradhub.transports.shm_setup import (
-    Joined,
-    SharedVectors,
-    died_error,
-    join,
-    share_segment,
-)
+from gradhub.transports.shm_regions import Regions
+from gradhub.transports.shm_setup import Joined, SharedVectors, died_error, join
 from gradhub.transports.shm_sums import add_everywhere, add_values
 
 _log = logging.getLogger("gradhub.collective")
 
-_ALIGN = 4096
 ONE_SYNC_BYTES = 8 << 20
-_MIN_CAPACITY = 1 << 20
 
 Segments = Sequence[Sequence[tuple[int, int]]]
 """``owned[i]``: the ``(start, length)`` segments local rank ``i`` owns."""
@@ -145,9 +137,8 @@ class ShmTransport(Transport):
         self.size = len(self.ranks)
         self.index = self.ranks.index(group.rank)
         self._sequence = 0
-        self._capacity = 0
-        self._data: Mapping | None = None
         self._joined = Joined()
+        self._regions: Regions | None = None
         self._control: Control | None = None
         self._closed = False
         self._op = op
@@ -159,6 +150,7 @@ class ShmTransport(Transport):
             )
             control = self._joined.control
             assert control is not None
+            self._regions = Regions(self._joined, self.size, self.index)
             self._control = Control(group, self.ranks, self._joined.pids, control.mm, op)
             self._cross = self._control.cross_reads(op)
         except BaseException:
@@ -369,20 +361,8 @@ class ShmTransport(Transport):
         """Number the operation, grow the data segment if needed, and return
         the regions of this operation's set as ``numel``-element views."""
         k = self._next(op)
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        need = -(-max(numel * itemsize, 1) // _ALIGN) * _ALIGN
-        if need > self._capacity:
-            self._grow(op, max(need, 2 * self._capacity, _MIN_CAPACITY))
-        assert self._data is not None and self._data.bytes is not None
-        base = (k % 2) * self.size * self._capacity
-        data = self._data.bytes
-        regions = [
-            data[base + i * self._capacity : base + i * self._capacity + numel * itemsize].view(
-                dtype
-            )
-            for i in range(self.size)
-        ]
-        return k, regions
+        assert self._regions is not None  # _next refuses a closed transport
+        return k, self._regions.of(op, k, numel, dtype, self._died_now, self._late)
 
     def _next(self, op: Operation, *, count: bool = True) -> int:
         """The number of operation ``op`` (refused once closed)."""
@@ -393,15 +373,6 @@ class ShmTransport(Transport):
         self._op = op
         self._sequence += count
         return self._sequence
-
-    def _grow(self, op: Operation, capacity: int) -> None:
-        leader = self.index == 0
-        mapping = share_segment(
-            self._joined, leader, op, 2 * self.size * capacity, self._died_now, self._late
-        )
-        if self._data is not None:
-            self._data.close()
-        self._data, self._capacity = mapping, mapping.size // (2 * self.size)
 
     @property
     def _ctl(self) -> Control:
@@ -439,8 +410,9 @@ class ShmTransport(Transport):
         if self._control is not None:
             self._control.close()  # releases the control mapping's buffer and the pidfds
         self._shared.close()
-        for mapping in (self._data, self._joined.control):
-            if mapping is not None:
-                mapping.close()
-        self._data = self._joined.control = None
+        if self._regions is not None:
+            self._regions.close()
+        if self._joined.control is not None:
+            self._joined.control.close()
+        self._joined.control = None
         self._joined.close()

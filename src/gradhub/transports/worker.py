@@ -8,6 +8,8 @@ thread's torch state is that of a fresh thread (so the body computes what it
 would on the worker), else on the worker thread. Running in place saves the
 two thread hand-offs of a queued operation (wake the worker, wake the
 caller), which on a busy machine may each wait for a core.
+:meth:`Worker.here` runs one in place on the same terms and says whether it
+did (the torch.distributed backend runs its small operations so).
 
 Either way one operation runs at a time (a lock, held by whichever thread
 runs one), and an operation called after another on the same thread runs
@@ -42,12 +44,13 @@ def _fresh_thread_state(*, but_grad: bool = False) -> bool:
 
 
 class Worker:
-    """The worker of the group of ``rank`` (the name of its thread); ``alone``:
-    the group has one rank (see :meth:`submit`)."""
+    """The worker of the group of ``rank``; ``alone``: the group has one rank
+    (see :meth:`submit`); ``name``: its thread's name, before ``-r<rank>``."""
 
-    def __init__(self, rank: int, *, alone: bool = False):
+    def __init__(self, rank: int, *, alone: bool = False, name: str = "gradhub-collective"):
         self._rank = rank
         self._alone = alone
+        self._name = name
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()  # guards _queued and the choice to run in place
         self._queued = 0  # submitted and not finished
@@ -68,7 +71,7 @@ class Worker:
                 return done
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix=f"gradhub-collective-r{self._rank}"
+                max_workers=1, thread_name_prefix=f"{self._name}-r{self._rank}"
             )
         future: CollectiveFuture[T] = CollectiveFuture(name, timeout)
 
@@ -93,6 +96,26 @@ class Worker:
 
     def _here(self, name: str, timeout: float, fn: Callable[[], T]) -> CollectiveFuture[T] | None:
         """``fn`` run on the calling thread, as a done future; ``None`` if it may not."""
+        future: CollectiveFuture[T] = CollectiveFuture(name, timeout)
+
+        def run() -> None:
+            try:
+                future._mark_started()
+                with torch.enable_grad():
+                    future._future.set_result(fn())
+            except BaseException as exc:
+                future._future.set_exception(exc)
+
+        return future if self.here(run) else None
+
+    def here(self, fn: Callable[[], None]) -> bool:
+        """Run ``fn`` on the calling thread, now, if nothing is queued or running
+        and the thread's torch state is a fresh thread's but for grad mode (``fn``
+        sets the grad mode it needs); whether it ran. ``fn`` must not raise.
+
+        The caller decides when that is worth it: an operation whose work is short
+        beside the two thread hand-offs of a queued one (the backend's small
+        all-reduces)."""
         with self._lock:
             here = (
                 self._queued == 0
@@ -100,17 +123,12 @@ class Worker:
                 and self._running.acquire(False)
             )
         if not here:
-            return None
-        future: CollectiveFuture[T] = CollectiveFuture(name, timeout)
+            return False
         try:
-            future._mark_started()
-            with torch.enable_grad():
-                future._future.set_result(fn())
-        except BaseException as exc:
-            future._future.set_exception(exc)
+            fn()
         finally:
             self._running.release()
-        return future
+        return True
 
     def call(self, name: str, timeout: float, fn: Callable[[], T]) -> T:
         """``submit(name, timeout, fn).wait()``, in place where that computes the same."""
