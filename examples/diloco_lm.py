@@ -28,6 +28,7 @@ right after a sync of every fragment), ``samples`` (seen by all workers) and
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import math
 import os
@@ -115,6 +116,12 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
     """``prepare``'s options for ``--strategy`` (the one place the strategies differ)."""
     if args.strategy == "allreduce":
         return {"compress": args.compress}
+    outer = functools.partial(
+        torch.optim.SGD,
+        lr=args.outer_lr,
+        momentum=args.outer_momentum,
+        nesterov=args.outer_momentum > 0,
+    )
     return {
         "inner_steps": args.inner_steps,
         "fragments": args.fragments,
@@ -122,6 +129,7 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
         "compress": args.compress,
         "servers": True if args.servers else None,
         "diloco_mode": args.diloco_mode,
+        "outer_optimizer": outer,
     }
 
 
@@ -145,6 +153,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--diloco-mode", default="sync", choices=["sync", "async"], help="diloco: with --servers"
+    )
+    p.add_argument("--outer-lr", type=float, default=0.7, help="diloco: outer SGD's lr")
+    p.add_argument(
+        "--outer-momentum", type=float, default=0.9, help="diloco: outer SGD's Nesterov momentum"
     )
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--width", type=int, default=256)

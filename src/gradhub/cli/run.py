@@ -27,7 +27,13 @@ def add_parser(sub: Any) -> None:
         "With --servers, start parameter servers first; the ps-* strategies find them.",
     )
     p.add_argument("-n", "--nproc", type=int, required=True, help="worker processes (on this node)")
-    p.add_argument("--servers", type=int, default=0, help="parameter servers to start first")
+    p.add_argument(
+        "--servers",
+        type=int,
+        default=0,
+        help="parameter servers to start first (in --ps-mode, default async: the ps-* "
+        "strategies; strategy diloco needs --ps-mode sync, or ssp for diloco_mode='async')",
+    )
     p.add_argument(
         "--max-restarts",
         type=int,
@@ -44,7 +50,7 @@ def add_parser(sub: Any) -> None:
         action="store_true",
         help="a worker's death ends only that worker: the others regroup over the "
         "survivors, redo the failed step on the same global batch and go on (one node; "
-        "strategy allreduce)",
+        "strategies allreduce, sharded, diloco: diloco redoes the sync over the survivors)",
     )
     p.add_argument(
         "--min-workers",
