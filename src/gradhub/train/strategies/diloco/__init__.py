@@ -25,7 +25,7 @@ less than ``allreduce`` sends.
 Streaming DiLoCo (Douillard et al. 2025, arXiv 2501.18512), by options
 (:class:`DiLoCoConfig`; modules: ``config.py`` the settings, ``fragments.py``
 which parameters and which steps, ``exchange.py`` what travels,
-``strategy.py`` the loop):
+``strategy.py`` the loop, ``resync.py`` a surviving job's syncs):
 
 - ``fragments=F``: the parameters are cut into F contiguous fragments of
   about equal size (:mod:`.fragments`); fragment ``f`` syncs once per H
@@ -110,6 +110,14 @@ Decisions (DDP's loop, line by line, between syncs):
 - :func:`gradhub.check_in_sync` between syncs reports the workers as
   diverged: they are, by design. Right after a sync (of every fragment, with
   ``fragments=1``) it passes.
+
+Surviving jobs (``gradhub run --survive``, :mod:`.resync`): a worker's death is
+seen at the next sync's exchange; the survivors regroup and redo that sync's
+average over themselves (samples-weighted, from what each kept of its own
+pseudo-gradient), or, where the exchange had already completed on one of
+them, take that one's state; every survivor then continues from the same
+shared weights and outer optimizer state. The sync's step stays committed.
+``overlap`` and ``servers`` are refused there.
 
 Parameter servers (``servers=``, :mod:`.servers`): the servers hold the
 shared weights and the outer optimizer's state and run the outer step; each
