@@ -236,8 +236,9 @@ class _PSStrategy(Strategy):
             self.refresh()
         elif self.mode == "sync":
             self._pull_staged()  # the parameters change once every key came back
-        else:  # every worker's pushes accepted: the step commits (see .surviving)
-            self.runtime.all_reduce_sum(torch.zeros(1), where=f"step {self.steps} pushed")
+        else:  # every worker's pushes accepted: the step commits (see .surviving); on
+            # the job's transport, which sees a peer that died before it entered
+            all_reduce(torch.zeros(1), group=self.runtime.group).wait()
             self.refresh()
 
     def _pull_staged(self) -> None:
