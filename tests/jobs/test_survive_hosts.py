@@ -28,12 +28,16 @@ pytestmark = pytest.mark.skipif(_why is not None, reason=f"emulated cluster: {_w
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_one_hosts_workers_killed_together_the_other_host_finishes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("strategy", ["allreduce", "sharded"])
+def test_one_hosts_workers_killed_together_the_other_host_finishes(
+    tmp_path: Path, strategy: str
+) -> None:
+    """Under ``sharded`` every slice's mirror is on the other host: none is lost."""
     ref = tmp_path / "reference"
     subprocess.run([sys.executable, JOB, "--out", str(ref)], check=True, timeout=300)
     want = torch.load(ref / "member-0.pt")
     out = tmp_path / "job"
-    kills = ["--kill", "2:5:backward", "--kill", "3:5:backward"]
+    kills = ["--strategy", strategy, "--kill", "2:5:backward", "--kill", "3:5:backward"]
     with Cluster(2, rate="1gbit", gloo_ifname=False) as c:
         endpoint = f"{c.hosts[0].addr}:29611"
         procs, logs = [], []

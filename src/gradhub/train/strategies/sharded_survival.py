@@ -124,6 +124,7 @@ class ShardedSurvival:
     _responder: ShardResponder | None
     _spec: OptimizerSpec | None
     _sizes: list[list[int]]
+    _counted: bool
     _mirrors: Sequence[Mirror] = ()
     _holders: Mapping[int, tuple[int, int]] = MappingProxyType({})
     """Per slice start: its owner and its mirror's rank (the current group's)."""
@@ -196,6 +197,7 @@ class ShardedSurvival:
         set the slices up again over the survivors."""
         self._roll_forward(done)
         self._repartition(done)
+        self._counted = False  # a step counted when its slices stepped: no gather follows
 
     def _set_up_joined(self) -> None:
         """A replacement took its slice in ``_setup`` (:meth:`_join_sharded`)."""
