@@ -125,6 +125,7 @@ class ShardedSurvival:
     _spec: OptimizerSpec | None
     _sizes: list[list[int]]
     _counted: bool
+    failed_steps: int
     _mirrors: Sequence[Mirror] = ()
     _holders: Mapping[int, tuple[int, int]] = MappingProxyType({})
     """Per slice start: its owner and its mirror's rank (the current group's)."""
@@ -222,8 +223,11 @@ class ShardedSurvival:
         if source and self._applied is not None:
             mask = torch.tensor(self._applied, dtype=torch.uint8)
         self._broadcast_from(done.source, [flat, mask])
-        if self._opt is None or self.runtime.committed_steps != best - 1:
-            return  # already applied here, or a replacement (it holds no slice)
+        if self._opt is None:
+            return  # a replacement: it holds no slice
+        self.failed_steps -= 1  # finished here, not trained again
+        if self.runtime.committed_steps != best - 1:
+            return  # already applied here
         assert self.optimizer is not None
         grads: list[torch.Tensor | None] = []
         offset = 0
