@@ -29,7 +29,9 @@ optimizer state dies with its rank.
   Both holders of a slice dead in one change: :class:`~gradhub.errors.StateLostError`.
 - Under survival ``sharded`` keeps fp32 parameters and no wire codec (the
   masters are the parameters themselves): other settings are refused at
-  ``prepare``.
+  ``prepare``. Its bucket-wise step during the backward
+  (:mod:`.sharded_ahead`) is off: every step steps at ``step()``, where the
+  mirrors step too.
 """
 
 from __future__ import annotations
