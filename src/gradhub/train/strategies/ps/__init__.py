@@ -81,6 +81,11 @@ Other decisions:
   ``refresh``), so a local change to a replica is replaced, not reported.
   Under ``ps-async``/``ps-ssp`` call it once every worker's last step has
   returned.
+- In a surviving job (``gradhub run -n N --survive --servers S``) a worker's
+  death leaves the servers and the other workers running: ``ps-sync``
+  commits a step on every survivor or on none and ends at the fault-free
+  run's parameters; under ``ps-async``/``ps-ssp`` the survivors train the
+  dead worker's share again (no sample lost). See :mod:`.surviving`.
 - After torchrun restarted the workers (``gradhub run --max-restarts N``),
   the servers, which kept running, keep their values, and under ``ps-sync``
   and ``ps-ssp`` every worker first catches up with the highest step any
