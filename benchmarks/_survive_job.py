@@ -2,9 +2,10 @@
 
 An MLP (``--widths``, default 512-1024-1024-10: 1.58M parameters) on
 synthetic data made here from a seed (``--steps`` global batches of
-``--batch`` samples, one epoch), SGD, :meth:`gradhub.DataParallelTrainer.fit`
-with ``strategy="allreduce"`` (``--bucket-mb``: the buckets' size). The same
-script runs with and without ``--survive``.
+``--batch`` samples, one epoch), SGD with momentum,
+:meth:`gradhub.DataParallelTrainer.fit` with ``--strategy`` (``allreduce`` or
+``sharded``; ``--bucket-mb``: the buckets' size). The same script runs with
+and without ``--survive``.
 
 ``--kill MEMBER:STEP:WHERE`` (repeatable) makes worker ``MEMBER`` SIGKILL
 itself in step ``STEP`` (counted from 0), writing ``killed-<member>.json``
@@ -19,7 +20,12 @@ Every worker that finishes writes ``member-<id>.json`` in ``--out``: each
 committed step's count and wall-clock and ``perf_counter`` times (taken in ``on_step``,
 where fit writes its step record), the committed-step count at each forward
 (a step a death interrupted is trained twice), the fit result without its
-history, and the torch threads it ran with.
+history, and the torch threads it ran with. Under ``sharded`` also, per
+step, the time of this rank's own slice's optimizer step
+(``ShardedOptimizer.step_pieces``, its publication included) and of the
+mirrors' (``Mirror.step``: a surviving job's copies of other ranks' slices),
+each timed around the call, and the bytes the mirrors hold (their fp32
+weights and optimizer state, as the job ends).
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ import torch
 from torch import nn
 
 import gradhub
+from gradhub.collective.sharded_optimizer import ShardedOptimizer
+from gradhub.train.strategies.sharded_survival import Mirror
 
 
 def mlp(widths: list[int]) -> nn.Sequential:
@@ -74,6 +82,37 @@ def die(out: Path, member: int, committed: int) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+class Timed:
+    """Times every call of a method of ``cls`` (``perf_counter`` around it), and
+    keeps the objects it was called on."""
+
+    def __init__(self, cls: type, name: str) -> None:
+        self.seconds: list[float] = []
+        self.holders: dict[int, Any] = {}
+        inner = getattr(cls, name)
+
+        def timed(holder: Any, *args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return inner(holder, *args, **kwargs)
+            finally:
+                self.seconds.append(time.perf_counter() - started)
+                self.holders[id(holder)] = holder
+
+        setattr(cls, name, timed)
+
+
+def held_bytes(mirror: Mirror) -> dict[str, int]:
+    """A mirror's fp32 weights and its optimizer state, in bytes."""
+    state = sum(
+        t.numel() * t.element_size()
+        for s in mirror.optimizer.state.values()
+        for t in s.values()
+        if isinstance(t, torch.Tensor)
+    )
+    return {"weights": mirror.weights.numel() * 4, "state": state}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
@@ -81,6 +120,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=512, help="global batch size")
     p.add_argument("--widths", default="512,1024,1024,10")
     p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument("--strategy", choices=["allreduce", "sharded"], default="allreduce")
     p.add_argument("--kill", action="append", default=[])
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -94,6 +134,8 @@ def main() -> None:
     wall: list[float] = []
     clock: list[float] = []
     forwards: list[int] = []
+    own = Timed(ShardedOptimizer, "step_pieces")
+    mirrored = Timed(Mirror, "step")
     with gradhub.init(timeout=60) as runtime:
 
         def in_backward(_: torch.Tensor) -> None:
@@ -115,7 +157,7 @@ def main() -> None:
         first.weight.register_post_accumulate_grad_hook(in_backward)
         model.register_forward_pre_hook(at_forward)
         with gradhub.DataParallelTrainer(
-            model, optimizer, strategy="allreduce", runtime=runtime, bucket_mb=args.bucket_mb
+            model, optimizer, strategy=args.strategy, runtime=runtime, bucket_mb=args.bucket_mb
         ) as trainer:
             result = trainer.fit(
                 (x, y), epochs=1, batch_size=args.batch, progress=False, on_step=on_step
@@ -132,6 +174,10 @@ def main() -> None:
             "step_wall": wall,
             "step_clock": clock,
             "forwards": forwards,
+            "strategy": args.strategy,
+            "own_step_s": own.seconds,
+            "mirror_step_s": mirrored.seconds,
+            "mirrors": [held_bytes(m) for m in mirrored.holders.values()],
         }
     (args.out / f"member-{member}.json").write_text(json.dumps(report))
 

@@ -1,9 +1,10 @@
 """``gradhub run --survive``: what it costs per step, and how soon a kill is behind.
 
-Both parts launch :mod:`_survive_job` (an MLP 512-1024-1024-10, 1.58M
+Both parts launch :mod:`_survive_job` (an MLP 512-1024-1024-10, 1.59M
 parameters, SGD with momentum, synthetic data, global batches of 512,
-``DataParallelTrainer.fit`` with ``strategy="allreduce"``) through the CLI,
-as a user does, one job after another:
+``DataParallelTrainer.fit``) through the CLI, as a user does, one job after
+another, for each ``--strategy`` (``allreduce`` and ``sharded``, by default
+both: both parts for one, then both for the other, into one table):
 
 1. **Per-step cost.** ``gradhub run -n 2 _survive_job.py`` (plain: torchrun's
    agent starts the workers) and ``gradhub run -n 2 --survive
@@ -20,6 +21,14 @@ as a user does, one job after another:
    sets 1 for each worker, the supervisor sets nothing, and torch takes
    every core), and with ``OMP_NUM_THREADS=1`` for both (the survival
    machinery alone); the torch threads each job ran with are recorded.
+   Under ``sharded`` a surviving rank also holds a mirror of another rank's
+   slice (fp32 weights and optimizer state) and steps it at every step:
+   reported are the mirror's bytes (computed from the model's size and the
+   world size, and measured from rank 0's mirror as its job ends) and rank
+   0's median times of its own slice's optimizer step and of the mirror's,
+   timed in the job around each call. ``sharded`` without ``--survive``
+   steps its slice during the backward (``step_ahead``); a surviving job
+   does not (a failed step must change nothing): the ratio includes that.
 2. **A kill to the next committed step.** ``--kill-jobs`` jobs of ``gradhub
    run -n 4 --survive _survive_job.py --bucket-mb 1`` (several buckets, so
    all-reduces are under way in the backward), 60 steps, each killing two
@@ -33,17 +42,22 @@ as a user does, one job after another:
    the steps trained again: the most, over the survivors, of the extra
    trainings (a forward hook notes the committed count at every forward) of
    the steps from the dying worker's count up to the next kill's. Reported:
-   each kill, and the median [min, max] over all of them. Every job must
-   exit 0 with two survivors at the fault-free step count.
+   each kill, and the median [min, max] over all of them (under ``sharded``
+   a step that some survivors applied is finished on the others, not
+   trained again). Every job must exit 0 with two survivors at the
+   fault-free step count.
 
 4 workers on 2 cores time-slice: part 2's times include that. Records the
 machine's one-thread copy bandwidth, the load average before each part and
 after the last, and the scheduling policy the jobs ran under (they inherit
 it: ``chrt -f 10`` keeps other work on a shared machine from preempting
 them; the job processes only block in the kernel, they never spin). Writes
-``survive.json`` and ``survive.md`` to ``--out``.
+``survive.json`` and ``survive.md`` to ``--out``; what stands in the old
+``survive.md`` from a line ``## Earlier records`` on is kept below the new
+table.
 
     chrt -f 10 .venv/bin/python benchmarks/survive.py [--rounds 5] [--steps 150] [--kill-jobs 5]
+        [--strategy allreduce|sharded|both] [--threads both|as-launched|one]
 """
 
 from __future__ import annotations
@@ -64,12 +78,25 @@ from typing import Any
 import torch
 
 from _common import RESULTS, machine_note, spread, write_results
+from _survive_table import markdown
 
 JOB = Path(__file__).with_name("_survive_job.py")
 SKIP = 10
 """Steps at the start of a run left out of its step time (warm-up)."""
 THREADS = {"as launched": None, "OMP_NUM_THREADS=1": "1"}
 """The workers' environment: OMP_NUM_THREADS removed, or set to this."""
+THREAD_CHOICES = {
+    "both": list(THREADS),
+    "as-launched": ["as launched"],
+    "one": ["OMP_NUM_THREADS=1"],
+}
+STRATEGIES = ["allreduce", "sharded"]
+WORLD = 2
+"""Workers of part 1."""
+PARAMETERS = 512 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 * 10 + 10
+STATE_PER_ELEMENT = 1
+"""Optimizer state tensors per parameter element: SGD's momentum buffer."""
+EARLIER = "## Earlier records"
 KILL_STEPS = 60
 KILL_PLANS = [  # (member, step, where) twice per job: rank 0 among the dead
     [(1, 20, "backward"), (2, 40, "between")],
@@ -110,30 +137,39 @@ def members(out: Path) -> dict[int, dict[str, Any]]:
     return found
 
 
-def step_time(out: Path) -> dict[str, float]:
-    """Rank 0's step time: the median step-to-step time, and wall_time / steps."""
+def step_time(out: Path) -> dict[str, Any]:
+    """Rank 0's step time: the median step-to-step time, and wall_time / steps;
+    under ``sharded`` the median times of its slice's and its mirror's optimizer
+    steps (``None`` where none ran) and its mirrors' bytes."""
     rank0 = members(out)[0]
     clock = rank0["step_clock"]
     diffs = [b - a for a, b in zip(clock[SKIP:], clock[SKIP + 1 :], strict=False)]
     result = rank0["result"]
-    return {
+    found: dict[str, Any] = {
         "step_s": statistics.median(diffs),
         "wall_per_step_s": result["wall_time"] / result["steps"],
         "threads": rank0["threads"],
     }
+    for key in ("own_step_s", "mirror_step_s"):
+        timed = rank0.get(key, [])[SKIP:]
+        found[key] = statistics.median(timed) if timed else None
+    found["mirrors"] = rank0.get("mirrors", [])
+    return found
 
 
-def overhead(rounds: int, steps: int, scratch: Path) -> dict[str, Any]:
+def overhead(
+    strategy: str, rounds: int, steps: int, threads: list[str], scratch: Path
+) -> dict[str, Any]:
     """Part 1: plain and --survive alternating, per thread setting."""
-    job = ["--steps", str(steps)]
+    job = ["--steps", str(steps), "--strategy", strategy]
     found: dict[str, Any] = {}
-    for name, threads in THREADS.items():
-        runs: dict[str, list[dict[str, float]]] = {"plain": [], "survive": []}
+    for name in threads:
+        runs: dict[str, list[dict[str, Any]]] = {"plain": [], "survive": []}
         for r in range(rounds):
             order = ["plain", "survive"] if r % 2 == 0 else ["survive", "plain"]
             for mode in order:
-                out = scratch / f"{name}-{mode}-{r}".replace("=", "")
-                launch(out, 2, mode == "survive", job, threads)
+                out = scratch / f"{strategy}-{name}-{mode}-{r}".replace("=", "")
+                launch(out, WORLD, mode == "survive", job, THREADS[name])
                 runs[mode].append(step_time(out))
         pairs = zip(runs["plain"], runs["survive"], strict=True)
         ratios = [s["step_s"] / p["step_s"] for p, s in pairs]
@@ -149,13 +185,41 @@ def overhead(rounds: int, steps: int, scratch: Path) -> dict[str, Any]:
         }
         f = found[name]
         f["ratio_of_medians"] = f["survive_step_s"]["median"] / f["plain_step_s"]["median"]
+        for key in ("own_step_s", "mirror_step_s"):
+            timed = [x[key] for x in runs["survive"] if x[key] is not None]
+            f[f"survive_{key}"] = spread(timed) if timed else None
     return found
 
 
-def kill_job(index: int, plan: list[tuple[int, int, str]], scratch: Path) -> list[dict[str, Any]]:
+def mirror_bytes(cost: dict[str, Any]) -> dict[str, Any]:
+    """What a rank's mirror holds: computed from the model and world size, and as
+    measured on rank 0 in part 1's surviving runs (their median)."""
+    length = -(-PARAMETERS // WORLD)  # the largest slice
+    measured = [
+        sum(m["weights"] + m["state"] for m in run["mirrors"])
+        for row in cost.values()
+        for run in row["runs"]["survive"]
+    ]
+    weights = [
+        sum(m["weights"] for m in run["mirrors"])
+        for r in cost.values()
+        for run in r["runs"]["survive"]
+    ]
+    return {
+        "computed_bytes": 4 * length * (1 + STATE_PER_ELEMENT),
+        "computed_weight_bytes": 4 * length,
+        "measured_bytes": statistics.median(measured) if measured else None,
+        "measured_weight_bytes": statistics.median(weights) if weights else None,
+        "model_fp32_bytes": 4 * PARAMETERS,
+    }
+
+
+def kill_job(
+    strategy: str, index: int, plan: list[tuple[int, int, str]], scratch: Path
+) -> list[dict[str, Any]]:
     """One job of part 2: its kills, each timed to the next committed step."""
-    out = scratch / f"kills-{index}"
-    job = ["--steps", str(KILL_STEPS), "--bucket-mb", "1"]
+    out = scratch / f"{strategy}-kills-{index}"
+    job = ["--steps", str(KILL_STEPS), "--bucket-mb", "1", "--strategy", strategy]
     for member, step, where in plan:
         job += ["--kill", f"{member}:{step}:{where}"]
     launch(out, 4, True, job)
@@ -183,86 +247,16 @@ def kill_job(index: int, plan: list[tuple[int, int, str]], scratch: Path) -> lis
     return kills
 
 
-def recovery(jobs: int, scratch: Path) -> dict[str, Any]:
+def recovery(strategy: str, jobs: int, scratch: Path) -> dict[str, Any]:
     """Part 2: ``jobs`` jobs of 4 workers, two kills each."""
     kills = []
     for i in range(jobs):
-        kills += kill_job(i, KILL_PLANS[i % len(KILL_PLANS)], scratch)
+        kills += kill_job(strategy, i, KILL_PLANS[i % len(KILL_PLANS)], scratch)
     return {
         "kills": kills,
         "to_next_commit_s": spread([k["to_next_commit_s"] for k in kills]),
         "steps_trained_again": spread([float(k["steps_trained_again"]) for k in kills]),
     }
-
-
-def markdown(report: dict[str, Any]) -> str:
-    meta = report["meta"]
-    copy = meta["machine"]
-    loads = meta["loadavg"]
-    lines = [
-        f"`gradhub run --survive` against the same job without it ({meta['model']}, global "
-        f'batch {meta["batch"]}, `strategy="allreduce"`); one-thread copy '
-        f"{copy['copy_GBps_median']:.1f} GB/s; load average (1 min) "
-        f"{loads['overhead'][0]:.1f} before part 1, {loads['kills'][0]:.1f} before part 2, "
-        f"{loads['after'][0]:.1f} after (the jobs' own workers included); scheduling: "
-        f"{meta['scheduling']}.",
-        "",
-        f"Per-step cost, `gradhub run -n 2 [--survive]`, {meta['rounds']} alternating rounds of "
-        f"{meta['steps']} steps (rank 0's median step-to-step time, the first {SKIP} skipped; "
-        "median [min, max] over the rounds):",
-        "",
-        "| workers' environment | torch threads plain / survive | plain step (ms) "
-        "| survive step (ms) | survive / plain (medians) | survive / plain, per round "
-        "| wall_time / steps, plain / survive (ms) |",
-        "| --- | --- | ---: | ---: | ---: | --- | ---: |",
-    ]
-
-    def ms(s: dict[str, float]) -> str:
-        return f"{s['median'] * 1e3:.1f} [{s['min'] * 1e3:.1f}, {s['max'] * 1e3:.1f}]"
-
-    for name, row in report["overhead"].items():
-        r = row["ratio_per_round"]
-        counts = " / ".join(",".join(map(str, row["threads"][m])) for m in ("plain", "survive"))
-        lines.append(
-            f"| {name} | {counts} | {ms(row['plain_step_s'])} | {ms(row['survive_step_s'])} "
-            f"| {row['ratio_of_medians']:.3f}x | {r['median']:.3f}x [{r['min']:.3f}, "
-            f"{r['max']:.3f}] | {row['plain_wall_per_step_s']['median'] * 1e3:.1f} / "
-            f"{row['survive_wall_per_step_s']['median'] * 1e3:.1f} |"
-        )
-    threads = {
-        m: ", ".join(map(str, t)) for m, t in report["overhead"]["as launched"]["threads"].items()
-    }
-    if threads["plain"] != threads["survive"]:
-        lines += [
-            "",
-            f"As launched, the workers' torch threads differ ({threads['plain']} plain, "
-            f"{threads['survive']} under `--survive`): torchrun's agent sets OMP_NUM_THREADS=1 "
-            "for more than one worker per node, the `--survive` supervisor leaves it unset. "
-            "The OMP_NUM_THREADS=1 row compares the survival machinery alone.",
-        ]
-    rec = report["kills"]
-    t, again = rec["to_next_commit_s"], rec["steps_trained_again"]
-    lines += [
-        "",
-        f"A kill to the next committed step, {len(rec['kills'])} kills in "
-        f"{meta['kill_jobs']} jobs of `gradhub run -n 4 --survive` ({KILL_STEPS} steps, "
-        "1 MB buckets; 4 workers on "
-        f"{meta['cores']} cores): median {t['median']:.3f} s [{t['min']:.3f}, {t['max']:.3f}] "
-        f"until every survivor committed it; steps trained again per kill: median "
-        f"{again['median']:.0f} [{again['min']:.0f}, {again['max']:.0f}].",
-        "",
-        "| job | worker killed | where (steps from 0) | kill to next commit, last survivor (s) "
-        "| first survivor (s) | steps trained again |",
-        "| ---: | ---: | --- | ---: | ---: | ---: |",
-    ]
-    for k in rec["kills"]:
-        where = f"{k['where']} of step" if k["where"] == "backward" else "after step"
-        lines.append(
-            f"| {k['job']} | {k['member']} | {where} {k['step']} "
-            f"| {k['to_next_commit_s']:.3f} | {k['to_next_commit_first_survivor_s']:.3f} "
-            f"| {k['steps_trained_again']} |"
-        )
-    return "\n".join(lines) + "\n"
 
 
 def scheduling() -> str:
@@ -272,42 +266,65 @@ def scheduling() -> str:
     return f"{names.get(policy, str(policy))}" + (f" priority {priority}" if priority else "")
 
 
+def earlier(out: str | Path) -> str:
+    """What the last ``survive.md`` in ``out`` keeps from its ``## Earlier records`` line on."""
+    path = Path(out) / "survive.md"
+    text = path.read_text() if path.exists() else ""
+    return text[text.index(EARLIER) :] if EARLIER in text else ""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=150, help="steps per run of part 1")
     parser.add_argument("--kill-jobs", type=int, default=5, help="jobs of part 2 (2 kills each)")
+    parser.add_argument("--strategy", choices=[*STRATEGIES, "both"], default="both")
+    parser.add_argument(
+        "--threads", choices=list(THREAD_CHOICES), default="both", help="part 1's environments"
+    )
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
+    strategies = STRATEGIES if args.strategy == "both" else [args.strategy]
     machine = machine_note()
+    found: dict[str, Any] = {}
+    loads: dict[str, Any] = {}
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="survive-bench-") as folder:
         scratch = Path(folder)
-        loads = {"overhead": list(os.getloadavg())}
-        started = time.perf_counter()
-        cost = overhead(args.rounds, args.steps, scratch)
-        loads["kills"] = list(os.getloadavg())
-        kills = recovery(args.kill_jobs, scratch)
+        for strategy in strategies:
+            loads[strategy] = {"overhead": list(os.getloadavg())}
+            cost = overhead(
+                strategy, args.rounds, args.steps, THREAD_CHOICES[args.threads], scratch
+            )
+            found[strategy] = {"overhead": cost}
+            if strategy == "sharded":
+                found[strategy]["mirrors"] = mirror_bytes(cost)
+            loads[strategy]["kills"] = list(os.getloadavg())
+            found[strategy]["kills"] = recovery(strategy, args.kill_jobs, scratch)
         loads["after"] = list(os.getloadavg())
     report = {
         "meta": {
             "platform": platform.platform(),
             "torch": torch.__version__,
             "cores": os.cpu_count(),
-            "model": "MLP 512-1024-1024-10, 1.58M parameters",
+            "model": f"MLP 512-1024-1024-10, {PARAMETERS:,} parameters",
             "batch": 512,
             "rounds": args.rounds,
             "steps": args.steps,
             "kill_jobs": args.kill_jobs,
+            "world": WORLD,
+            "skip": SKIP,
+            "kill_steps": KILL_STEPS,
             "scheduling": scheduling(),
             "machine": machine,
             "loadavg": loads,
             "seconds": time.perf_counter() - started,
         },
-        "overhead": cost,
-        "kills": kills,
+        "strategies": found,
     }
     text = markdown(report)
-    write_results(args.out, "survive", report, text)
+    kept = earlier(args.out)
+    write_results(args.out, "survive", report, text + ("\n" + kept if kept else ""))
     print(text)
 
 
