@@ -13,6 +13,10 @@ outer Nesterov SGD). ``--kill MEMBER:STEP:WHERE`` (repeatable) makes worker
   after its exchange started: its pseudo-gradient may be partly or wholly
   on the way when it dies.
 
+``--hold STEP`` (with ``gradhub run --max-restarts``): from that step on, while
+the job is short of workers, ``on_step`` waits until the replacement is ready
+(``survive_job.hold_for_replacement``); it joins after the next sync.
+
 Every worker that finishes writes ``member-<id>.json`` in ``--out`` (its pid
 at the start and at the end, the fit result, the committed steps, its rank
 and the world size) and ``member-<id>.pt``, its final parameters.
@@ -31,7 +35,7 @@ import torch
 
 import gradhub
 from gradhub.train.strategies.diloco import exchange
-from survive_job import BATCH, data, die, kills, model_and_optimizer
+from survive_job import BATCH, data, die, hold_for_replacement, kills, model_and_optimizer
 
 INNER_STEPS = 4
 
@@ -41,6 +45,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--kill", action="append", default=[])
+    p.add_argument("--hold", type=int, default=0, help="from this step, wait for a replacement")
     args = p.parse_args()
     pid = os.getpid()
     member = int(os.environ.get("GRADHUB_MEMBER", "0"))
@@ -61,6 +66,8 @@ def main() -> None:
         def between(step: int, record: dict[str, Any]) -> None:
             if plan.get(step - 1) == "between":
                 die(args.out, member)
+            if args.hold and step >= args.hold:
+                hold_for_replacement(runtime, 4)
 
         with gradhub.DataParallelTrainer(
             model, optimizer, strategy="diloco", runtime=runtime, inner_steps=INNER_STEPS

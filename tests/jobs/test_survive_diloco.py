@@ -37,10 +37,10 @@ from survive_job import data
 JOB = str(Path(__file__).with_name("survive_diloco_job.py"))
 
 
-def run_job(out: Path, workers: int, *args: str) -> int:
+def run_job(out: Path, workers: int, *args: str, launch: tuple[str, ...] = ()) -> int:
     cmd = [sys.executable, "-m", "gradhub.cli.main", "run", "-n", str(workers), "--survive"]
     done = subprocess.run(
-        [*cmd, JOB, "--out", str(out), *args], capture_output=True, text=True, timeout=300
+        [*cmd, *launch, JOB, "--out", str(out), *args], capture_output=True, text=True, timeout=300
     )
     (out.parent / f"{out.name}.log").write_text(done.stdout + done.stderr)
     return done.returncode
@@ -75,3 +75,28 @@ def test_diloco_goes_on_over_the_survivors_of_deaths_between_and_in_syncs(tmp_pa
     with torch.no_grad():
         loss = torch.nn.functional.cross_entropy(model(x), y).item()
     assert loss < 0.7, loss
+
+
+@pytest.mark.slow
+def test_a_replacement_joins_after_a_sync_and_takes_the_survivors_state(tmp_path: Path) -> None:
+    """``--max-restarts 1``: member 2 dies after step 6 (met at the sync of step 8);
+    member 4 replaces it. The survivors hold from step 8 until it is ready; the
+    tally of the next sync (step 12) says a newer membership is out, every rank
+    regroups after that sync and the replacement takes rank 0's state (not a
+    file): all 4 end at 32 committed steps, bit-identical."""
+    out = tmp_path / "job"
+    args = ["--kill", "2:5:between", "--hold", "8"]
+    code = run_job(out, 4, *args, launch=("--max-restarts", "1"))
+    assert code == 0, (tmp_path / "job.log").read_text()
+    found = members(out)
+    assert sorted(found) == [0, 1, 3, 4]
+    first = found[0]["params"]
+    for m in found.values():
+        assert (m["pid_start"], m["committed_steps"], m["world_size"]) == (m["pid_end"], 32, 4)
+        for name, value in m["params"].items():
+            assert torch.equal(value, first[name]), f"member {m['member']}: {name} differs"
+    joined = found[4]["result"]
+    assert joined["start_step"] >= 8 and joined["start_step"] % 4 == 0, joined
+    metrics = read_metrics(out / "run")
+    generations = [(r["members"], r["dead"]) for r in metrics[0] if r["kind"] == "membership"]
+    assert generations == [([0, 1, 3], [2]), ([0, 1, 3, 4], [])]

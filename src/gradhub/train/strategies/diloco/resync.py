@@ -118,6 +118,7 @@ class Resync(Survival):
         sync is settled over the survivors from :meth:`_regrouped`)."""
         self._failed(exc)
         cause, self._failure = self._failure, None
+        self._regroup_after = False  # this regroup takes in whoever asked for one
         self.failed_syncs += 1
         self.runtime.regroup(cause)
 
