@@ -12,8 +12,8 @@ different order of float32 additions, measured about 2e-7 after 32 steps),
 and the server made exactly one update per key and step (4 keys, 32 steps):
 no round mixed the dead worker's push with the redo, none was applied twice.
 
-ps-async: no sample is lost: every sample of both epochs is in a step some
-worker committed (the dead worker's committed steps included).
+ps-async, ps-ssp: no sample is lost: every sample of both epochs is in a step
+some worker committed (the dead worker's committed steps included).
 """
 
 from __future__ import annotations
@@ -122,12 +122,14 @@ def test_ps_sync_own_loop_survives_a_death_once_every_round_was_complete(
 
 
 @pytest.mark.slow
-def test_ps_async_survivors_take_over_the_dead_workers_share(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_ps_async_survivors_take_over_the_dead_workers_share(tmp_path: Path, mode: str) -> None:
     """Member 3 dies between two pushes of step 7. Its share of that step, and of
     every later one, is trained by the survivors: each sample of both epochs is
-    in a step some worker committed."""
+    in a step some worker committed (under ssp no pull waits for the dead
+    worker: the job ends)."""
     out = tmp_path / "job"
-    code = run_job(out, "async", "--kill", "3:7:pushing", "--loop")
+    code = run_job(out, mode, "--kill", "3:7:pushing", "--loop")
     assert code == 0, (tmp_path / "job.log").read_text()
     found = check_survivors(out, [0, 1, 2])
     trained: dict[int, set[int]] = {0: set(), 1: set()}
