@@ -56,7 +56,7 @@ def test_sharded_refuses_a_wire_codec_and_16_bit_parameters(surviving: gradhub.R
     model, _ = _model()
     model.bfloat16()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(UnsupportedByStrategyError, match="torch.bfloat16"):
+    with pytest.raises(UnsupportedByStrategyError, match=r"torch\.bfloat16"):
         gradhub.prepare(model, optimizer, strategy="sharded", runtime=surviving)
 
 
