@@ -64,6 +64,7 @@ def test_only_a_membership_takes_a_silent_member_out_of_a_step() -> None:
     _push(rounds, 1, 2.0, step=0)
     assert rounds.expire(timeout=1.0, now=1e12) == [0, 1, 2]  # every one silent
     assert rounds.complete_rounds("w") == []  # the heartbeat does not complete it
+    assert "sync step 0 of 'w' waits for worker(s) 2" in rounds.waiting_for(0, "w")
 
 
 def test_the_membership_survives_a_checkpoint() -> None:

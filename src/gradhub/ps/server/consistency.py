@@ -203,7 +203,8 @@ class Consistency:
         out: list[torch.Tensor] = []
         rounds = self.pending.get(key, {})
         members = self.registered - self.left
-        while rounds and not max(0, self.workers - len(self.registered)):
+        missing = max(0, self.workers - len(self.registered))
+        while rounds and not missing:
             step = min(rounds)
             if not members <= rounds[step].contributors:
                 break
@@ -281,12 +282,13 @@ class Consistency:
         steps = self.steps.get(key, {})
         if self.mode == "sync":
             rounds = self.pending.get(key, {})
-            rnd = self.rounds_applied.get(key, 0)
-            if key in self.applied_step:  # tagged: the oldest step waiting
+            rnd, waits = self.rounds_applied.get(key, 0), self.live
+            if key in self.applied_step:  # tagged: the oldest step, waiting for every member
                 rnd = min(rounds, default=self.applied_step[key] + 1)
+                waits = self.registered - self.left
             pending = rounds.get(rnd)
             done = pending.contributors if pending is not None else set()
-            late = [str(w) for w in sorted(self.live - done)]
+            late = [str(w) for w in sorted(waits - done)]
             what = f"sync {'step' if key in self.applied_step else 'round'} {rnd} of {key!r}"
         else:
             mine = steps.get(worker, 0)
