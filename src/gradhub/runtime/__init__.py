@@ -39,8 +39,10 @@ Decisions:
 - A group that is already initialised (by the user or an earlier ``init``) is
   adopted, not re-created; closing the runtime then leaves it alone.
 - Naming the rank that failed and translating c10d errors happen in one
-  place, :meth:`CollectiveGroup.failure`, through the check-in store; the
-  runtime's own waits (:meth:`Runtime.wait`) go through its group.
+  place, :meth:`CollectiveGroup.failure`, through the check-in store. The
+  runtime's own collectives are operations of its group
+  (:meth:`Runtime.collective`: numbered, checked in, run in the group's
+  order), and :meth:`Runtime.wait` waits on the operation's own future.
 - The c10d store is exposed because it is how ranks find out about each other
   beyond collectives (check-ins, and the parameter-server addresses that
   ``gradhub run --servers`` publishes).
@@ -91,7 +93,7 @@ from gradhub.runtime.setup import (
     pick_backend,
 )
 from gradhub.transports.choice import requested as requested_transport
-from gradhub.transports.group import CollectiveGroup, default_store
+from gradhub.transports.group import CollectiveFuture, CollectiveGroup, default_store
 
 log = logging.getLogger(__name__)
 
@@ -160,17 +162,10 @@ class Runtime:
     """A replacement's agreement with the survivors it joined, until its strategy
     has taken their parameters and optimizer state (at set-up); else ``None``."""
     _closed: bool = field(default=False, repr=False)
-    _waits: CollectiveGroup | None = field(default=None, repr=False)
     _listeners: list[Callable[[Regrouped], None]] = field(default_factory=list, repr=False)
     batches: deque[BatchShare] = field(default_factory=lambda: deque(maxlen=1024), repr=False)
     """The shares :class:`gradhub.GlobalBatchSampler` handed out and no backward has
     taken yet, oldest first (each synchronising backward takes one)."""
-
-    def __post_init__(self) -> None:
-        # The runtime's own waits run on the caller's thread while operations
-        # of ``group`` run on its worker thread: separate counters keep each
-        # one's numbering (and ring message tags) in step across ranks.
-        self._waits = self.group.sibling()
 
     def local_device(self, kind: str) -> torch.device:
         """This rank's device of ``kind`` (a script's ``--device``): for ``"cuda"``
@@ -197,21 +192,53 @@ class Runtime:
         if self._closed:
             raise ClosedError("this gradhub runtime was closed; call gradhub.init() again")
 
-    def wait(self, work: Any, operation: str, *, where: str = "") -> None:
-        """Wait for an asynchronous c10d work item, at most :attr:`timeout` seconds.
+    def collective(
+        self, operation: str, start: Callable[[], Any], *, where: str = ""
+    ) -> CollectiveFuture[None]:
+        """Run a c10d collective as an operation of :attr:`group`: ``start``
+        issues it (``async_op=True``, on the default process group) on the
+        group's worker thread, after the group's operations submitted before
+        it, so every rank numbers it alike. The future returned is the
+        operation's own; :meth:`wait` waits on it."""
+        group, name = self.group, f"{operation} at {where}" if where else operation
 
-        A failure is a :class:`~gradhub.errors.WorkerFailedError` or
+        def run() -> None:
+            op = group.begin(name)  # numbered and checked in: a timeout names who is behind
+            group.wait(op, start(), None)
+
+        return group.submit(name, run)
+
+    def wait(self, work: Any, operation: str = "", *, where: str = "") -> None:
+        """Wait for a collective, at most :attr:`timeout` seconds.
+
+        ``work`` is the collective's own future where it has one (a
+        :class:`~gradhub.transports.group.CollectiveFuture`: from
+        :meth:`collective`, gradhub's collectives or a bucket reducer): its
+        operation bounds the wait and names the ranks. A c10d work item
+        started outside the group (a comm hook's, a reducer's) is waited as
+        an operation of the group named ``operation``. A failure is a
+        :class:`~gradhub.errors.WorkerFailedError` or
         :class:`~gradhub.errors.CollectiveTimeoutError` naming the rank(s)
         responsible; ``where`` (e.g. ``"step 12"``) makes the message specific.
         """
-        assert self._waits is not None
-        op = self._waits.begin(f"{operation} at {where}" if where else operation)
-        self._waits.wait(op, work, None)
+        if isinstance(work, CollectiveFuture):
+            work.wait()
+            return
+        group, name = self.group, f"{operation} at {where}" if where else operation
+
+        def run() -> None:
+            group.wait(group.begin(name), work, None)
+
+        group.call(name, run)
 
     def all_reduce_sum(self, tensor: torch.Tensor, *, where: str = "") -> torch.Tensor:
         """Sum ``tensor`` over every rank in place (bounded wait); returns it."""
         if self.world_size > 1:
-            self.wait(dist.all_reduce(tensor, async_op=True), "all_reduce", where=where)
+            self.wait(
+                self.collective(
+                    "all_reduce", lambda: dist.all_reduce(tensor, async_op=True), where=where
+                )
+            )
         return tensor
 
     @property
@@ -240,8 +267,6 @@ class Runtime:
         while True:
             if cause is not None:
                 abandon(self.group, f"a peer died ({type(cause).__name__})")
-            assert self._waits is not None
-            self._waits.close()
             self.group.close()
             record = self.membership.next()
             try:
@@ -249,7 +274,6 @@ class Runtime:
                     self.membership, record, self.backend, self.timeout, self.transport
                 )
                 self.rank, self.world_size = self.group.rank, self.group.world_size
-                self._waits = self.group.sibling()
                 done = Regrouped.agree(self.group, record, self.committed_steps)
                 for fn in self._listeners:
                     fn(done)
@@ -273,8 +297,6 @@ class Runtime:
         if self._closed:
             return
         self._closed = True
-        if self._waits is not None:
-            self._waits.close()
         self.group.close()
         if self.membership is not None:
             self.membership.close()

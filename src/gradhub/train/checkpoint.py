@@ -113,7 +113,11 @@ def agreed_checkpoint(rt: Runtime, ckpt: CheckpointDir) -> tuple[int, int] | Non
     found = ckpt.latest_complete() if rt.is_main else None
     choice = torch.tensor(found if found is not None else (-1, 0), device=rt.device)
     if rt.world_size > 1:
-        work = dist.broadcast(choice, src=0, async_op=True)
-        rt.wait(work, "broadcast", where="the choice of the checkpoint to resume from")
+        where = "the choice of the checkpoint to resume from"
+        rt.wait(
+            rt.collective(
+                "broadcast", lambda: dist.broadcast(choice, 0, async_op=True), where=where
+            )
+        )
     step, written_by = (int(v) for v in choice.tolist())
     return None if step < 0 else (step, written_by)

@@ -200,7 +200,12 @@ def check_in_sync(model: PreparedModel | torch.nn.Module, runtime: Runtime | Non
     mine = torch.tensor([plain, weighted], dtype=torch.int64)
     everyone = [torch.zeros(2, dtype=torch.int64) for _ in range(rt.world_size)]
     if rt.world_size > 1:
-        rt.wait(dist.all_gather(everyone, mine, async_op=True), "all_gather", where="check_in_sync")
+        gather = rt.collective(
+            "all_gather",
+            lambda: dist.all_gather(everyone, mine, async_op=True),
+            where="check_in_sync",
+        )
+        rt.wait(gather)
     else:
         everyone = [mine]
     differ = [r for r, t in enumerate(everyone) if not torch.equal(t, everyone[0])]

@@ -84,7 +84,12 @@ import torch
 
 from gradhub._config import config_or_options
 from gradhub.collective import CollectiveFuture
-from gradhub.errors import InvalidOptionError, MisuseError, UnsupportedByStrategyError
+from gradhub.errors import (
+    CollectiveTimeoutError,
+    InvalidOptionError,
+    MisuseError,
+    UnsupportedByStrategyError,
+)
 from gradhub.train import reducers
 from gradhub.train.strategies.base import Strategy
 from gradhub.train.strategies.step_flags import StepFlags
@@ -128,16 +133,23 @@ class _Bucket:
 
 
 class _FutureWork:
-    """A reduction running on the communication thread, waited like a c10d Work."""
+    """A reduction on the communication thread, waited like a c10d Work; ``wait()``
+    gives up after ``limit`` s (its collectives, bounded, name the ranks first)."""
 
-    def __init__(self, future: concurrent.futures.Future[None]) -> None:
-        self._future = future
+    def __init__(
+        self, future: concurrent.futures.Future[None], name: str = "", limit: float | None = None
+    ) -> None:
+        self._future, self._name, self._limit = future, name, limit
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        seconds = None if timeout is None else timeout.total_seconds()
+        seconds = self._limit if timeout is None else timeout.total_seconds()
         try:
             self._future.result(timeout=seconds)
         except concurrent.futures.TimeoutError:
+            if timeout is None:  # not the group's wait: the thread numbers its operations
+                raise CollectiveTimeoutError(
+                    self._name, [], self._limit or 0.0, "the reduction did not return"
+                ) from None
             return False  # as a c10d Work: CollectiveGroup.wait names whom it waited for
         return True
 
@@ -332,7 +344,7 @@ class AllReduceStrategy(Strategy):
             flags.launch().wait()
 
         # After the reducer's own collectives, on its thread: the same order on every rank.
-        return _FutureWork(self._thread.submit(reduce_flags))
+        return self._on_thread(reduce_flags)
 
     def _launch(self, bucket: _Bucket, index: int, last: bool) -> Any:
         if self._hook is not None:
@@ -343,7 +355,14 @@ class AllReduceStrategy(Strategy):
         if self._thread is None:
             return self._reducer.launch(bucket.buffer, **kw)
         reduce = self._reducer.reduce
-        return _FutureWork(self._thread.submit(lambda: reduce(bucket.buffer, **kw)))
+        return self._on_thread(lambda: reduce(bucket.buffer, **kw))
+
+    def _on_thread(self, fn: Callable[[], None]) -> _FutureWork:
+        """``fn`` on the communication thread; waited by itself (see :class:`_FutureWork`)."""
+        assert self._thread is not None
+        name = f"all_reduce at step {self.steps} of strategy {self.name!r}"
+        grace = min(5.0, self.runtime.timeout)
+        return _FutureWork(self._thread.submit(fn), name, self.runtime.timeout + grace)
 
     def _finish_backward(self) -> None:
         for bucket in self._buckets:
@@ -422,7 +441,7 @@ class AllReduceStrategy(Strategy):
         super().close()
 
 
-_SELF_BOUNDED = (CollectiveFuture, reducers.StreamWork, reducers.Ready)
+_SELF_BOUNDED = (CollectiveFuture, _FutureWork, reducers.StreamWork, reducers.Ready)
 """Handles whose ``wait`` has its own bound and names whom it waited for."""
 
 

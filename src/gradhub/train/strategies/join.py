@@ -135,8 +135,13 @@ class Join:
         rank = strategy.runtime.rank
         src = torch.tensor([rank if is_last else -1], dtype=torch.int64)
         if strategy.world_size > 1:
-            work = dist.all_reduce(src, op=dist.ReduceOp.MAX, async_op=True)
-            strategy.runtime.wait(work, "all_reduce", where="join: the last rank to leave")
+            rt, where = strategy.runtime, "join: the last rank to leave"
+            largest = rt.collective(
+                "all_reduce",
+                lambda: dist.all_reduce(src, op=dist.ReduceOp.MAX, async_op=True),
+                where=where,
+            )
+            rt.wait(largest)
         assert strategy.model is not None
         final = [p.data for p in strategy.model.parameters()]
         if strategy.ddp.sync_buffers_at_forward:

@@ -58,9 +58,15 @@ def broadcast_json(runtime: Runtime, value: Any, where: str) -> Any:
         return value
     data = json.dumps(value).encode() if runtime.is_main else b""
     size = torch.tensor([len(data)], dtype=torch.int64)
-    runtime.wait(dist.broadcast(size, src=0, async_op=True), "broadcast", where=where)
+    runtime.wait(
+        runtime.collective("broadcast", lambda: dist.broadcast(size, 0, async_op=True), where=where)
+    )
     buffer = torch.zeros(int(size.item()), dtype=torch.uint8)
     if runtime.is_main:
         buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-    runtime.wait(dist.broadcast(buffer, src=0, async_op=True), "broadcast", where=where)
+    runtime.wait(
+        runtime.collective(
+            "broadcast", lambda: dist.broadcast(buffer, 0, async_op=True), where=where
+        )
+    )
     return value if runtime.is_main else json.loads(buffer.numpy().tobytes().decode())
