@@ -39,8 +39,8 @@ again, and :attr:`Resync.failed_syncs` counts it (not ``failed_steps``).
   rank regroups, and the replacement takes the lowest rank's state.
 - Refused under survival (at ``prepare``, saying why): ``overlap`` (an
   exchange merged behind inner steps would be redone against progress made
-  since) and ``servers`` (the launcher refuses ``--servers`` with
-  ``--survive``).
+  since) and ``servers`` (the servers' sync rounds are not regrouped for
+  diloco's pushes).
 """
 
 from __future__ import annotations
@@ -98,9 +98,9 @@ class Resync(Survival):
             )
         if self.config.servers is not None:
             raise UnsupportedByStrategyError(
-                "strategy 'diloco' with servers= under `gradhub run --survive`: the servers' "
-                "sync rounds wait for the job's first world size\n- help: drop servers= "
-                "or --survive"
+                "strategy 'diloco' with servers= under `gradhub run --survive`: its pushes "
+                "to the servers' sync rounds are not regrouped over the survivors\n- help: "
+                "drop servers= (the survivors then redo a sync among themselves) or --survive"
             )
 
     def _sees_joining(self) -> float:
