@@ -128,6 +128,7 @@ def markdown(report: dict[str, Any]) -> str:
     )
     names = " then ".join(f"`{s}`" for s in report["strategies"])
     lines = [
+        f"Recorded {meta['recorded']}: "
         f"`gradhub run --survive` against the same job without it ({meta['model']}, global "
         f"batch {meta['batch']}; {names}); one-thread copy "
         f"{copy['copy_GBps_median']:.1f} GB/s; load average (1 min) before {before}; "

@@ -286,6 +286,8 @@ def main() -> None:
     args = parser.parse_args()
     strategies = STRATEGIES if args.strategy == "both" else [args.strategy]
     machine = machine_note()
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    recorded = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()) + f" at {head.stdout.strip()}"
     found: dict[str, Any] = {}
     loads: dict[str, Any] = {}
     started = time.perf_counter()
@@ -304,6 +306,7 @@ def main() -> None:
         loads["after"] = list(os.getloadavg())
     report = {
         "meta": {
+            "recorded": recorded,
             "platform": platform.platform(),
             "torch": torch.__version__,
             "cores": os.cpu_count(),
