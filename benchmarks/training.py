@@ -52,7 +52,9 @@ Second table, a backward that leaves the CPU idle (:mod:`_sleeping`: six
 16 MB blocks whose backward sleeps 10 ms each, one bucket per block, as the
 host waits for a GPU): DDP on gloo, ``prepare`` + allreduce and + sharded,
 beside the same step with no communication and the bucket all-reduces
-alone (gloo's, and gradhub's on the job's group); per round the score
+alone (gloo's, and gradhub's on the job's group), and sharded with
+``step_ahead=False`` (the slice step and the weight all-gather at ``step()``,
+not during the backward: what taking them during it gains); per round the score
 ``step / max(compute, communication)`` (1.0: the communication is hidden).
 ``--sleeping-only`` runs this table alone (``training-sleeping.json``/``.md``).
 
@@ -104,6 +106,7 @@ SLEEPING = {  # contender -> the communication row its score divides by
     "DDP (gloo)": "communication (gloo)",
     "prepare + allreduce": "communication (gradhub)",
     "prepare + sharded": "communication (gradhub)",
+    "prepare + sharded (step_ahead=False)": "communication (gradhub)",
 }
 SLEEPING_FLOORS = ["compute (no communication)", "communication (gloo)", "communication (gradhub)"]
 
@@ -191,17 +194,18 @@ def sleeping_contenders(
     )
     fns["DDP (gloo)"] = _sleeping.loop_step(ddp, torch.optim.SGD(ddp.parameters(), lr=0.01), x)
     strategies = []
-    for name in ("allreduce", "sharded"):
+    for label in [name for name in SLEEPING if name.startswith("prepare")]:
         net = copy.deepcopy(base)
         model, opt = gradhub.prepare(
             net,
             torch.optim.SGD(net.parameters(), lr=0.01),
-            strategy=name,
+            strategy=label.split()[2],
             runtime=runtime,
             bucket_mb=_sleeping.BUCKET_MB,
+            **({"step_ahead": False} if "step_ahead=False" in label else {}),
         )
         strategies.append(model.strategy)
-        fns[f"prepare + {name}"] = _sleeping.loop_step(model, opt, x)
+        fns[label] = _sleeping.loop_step(model, opt, x)
     local = copy.deepcopy(base)
     fns["compute (no communication)"] = _sleeping.loop_step(
         local, torch.optim.SGD(local.parameters(), lr=0.01), x

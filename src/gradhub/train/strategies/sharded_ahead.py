@@ -12,7 +12,8 @@ what a state-dict request reads stay the step before's until ``step()``
 keeps the work (the parameters then view the other vector: nothing is
 copied), after checking that it is what ``step()`` would compute now:
 
-- every parameter was used on some rank (one no rank used is not stepped);
+- every parameter was used on some rank (one that no rank used is not
+  stepped at all);
 - every ``.grad`` is still the combined gradient the backward left (the
   same tensor, not written since: torch's version counters), and no
   parameter was written since either (``clip_grad_norm_``, ``unscale_``,
@@ -27,15 +28,17 @@ dropped and ``step()`` steps and gathers as without it, so the bits are the
 same either way: the optimizers taken (:data:`.ELEMENTWISE`) update each
 tensor on its own, so stepping the pieces bucket by bucket equals one step
 of them all. After a step whose work was dropped the work pauses for 1,
-2, 4, ... up to 1024 steps (a loop that clips every step soon stops paying
-for it). A backward with no ``step()`` after it (a skipped step) leaves the
-work unkept; the next backward drops it.
+2, 4, ... up to 1024 steps (a loop that clips or unscales every step soon
+stops paying for it). A backward with no ``step()`` after it (a step a
+scaler skipped) leaves the work unkept; the next backward drops it.
 
 Memory: one more fp32 vector of the weights' size per rank. Taken only
-where the master is the weights' own slice (fp32 parameters, no wire codec)
-on host memory, with the buckets started from the backward hooks, the sums
-gathered during the backward (not ``set_samples(n)`` alone) and no loss
-scaling.
+where the master is the weights' own slice (fp32 parameters, no wire codec),
+in host memory (on a CUDA device the worker's kernels would need ordering
+with the backward's stream: not taken there yet), with the buckets started
+from the backward hooks and the sums gathered during the backward (not
+``set_samples(n)`` alone), outside a surviving job (its mirrors step beside
+the owner at ``step()``).
 """
 
 from __future__ import annotations
