@@ -75,6 +75,7 @@ def sgd(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # a job of 5 processes, and the reference, on a loaded machine
 def test_ps_sync_fit_goes_on_over_the_survivors_of_a_kill_in_the_backward(
     tmp_path: Path, sgd: dict[str, torch.Tensor]
 ) -> None:
@@ -86,6 +87,7 @@ def test_ps_sync_fit_goes_on_over_the_survivors_of_a_kill_in_the_backward(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # a job of 5 processes, and the reference, on a loaded machine
 def test_ps_sync_a_step_the_servers_applied_on_some_keys_is_completed_once(
     tmp_path: Path, sgd: dict[str, torch.Tensor]
 ) -> None:
@@ -103,6 +105,7 @@ def test_ps_sync_a_step_the_servers_applied_on_some_keys_is_completed_once(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # a job of 5 processes, and the reference, on a loaded machine
 def test_ps_sync_own_loop_survives_a_death_once_every_round_was_complete(
     tmp_path: Path, sgd: dict[str, torch.Tensor]
 ) -> None:
@@ -122,6 +125,7 @@ def test_ps_sync_own_loop_survives_a_death_once_every_round_was_complete(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # a job of 5 processes, and the reference, on a loaded machine
 @pytest.mark.parametrize("mode", ["async", "ssp"])
 def test_ps_async_survivors_take_over_the_dead_workers_share(tmp_path: Path, mode: str) -> None:
     """Member 3 dies between two pushes of step 7. Its share of that step, and of
