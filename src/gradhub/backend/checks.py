@@ -68,7 +68,7 @@ class Call:
         if not tensors and not empty:
             raise self.refuse("got no tensor", "pass the tensor(s) the operation works on")
         for t in tensors:
-            if t.device.type != "cpu":
+            if not t.is_cpu:
                 raise self.refuse(
                     f"the gradhub backend takes CPU tensors, got one on {t.device}",
                     'use NCCL for GPU tensors: dist.init_process_group("nccl")',
@@ -82,15 +82,17 @@ class Call:
 
     def reduction(self, tensors: Sequence[torch.Tensor], red: Reduction) -> None:
         """``red`` has a meaning for the tensors' dtype."""
+        if red.is_sum:  # any dtype gloo takes
+            return
         for t in tensors:
             floating = t.is_floating_point()
-            if red.kind == RedOp.AVG and not floating:
+            if red.is_average and not floating:
                 raise self.refuse(
                     f"ReduceOp.AVG needs floating-point tensors, got {t.dtype} (gloo: result "
                     "type Float can't be cast to the desired output type)",
                     "reduce with ReduceOp.SUM and divide, or reduce a floating-point copy",
                 )
-            if red.kind == RedOp.PREMUL_SUM and not floating:
+            if red.is_premul and not floating:
                 raise self.refuse(
                     f"ReduceOp.PREMUL_SUM needs floating-point tensors, got {t.dtype}",
                     "multiply the integers yourself and use ReduceOp.SUM",

@@ -147,15 +147,18 @@ class GroupBase(dist.ProcessGroup):
 
         def run() -> None:
             work._start()
+            # Tensors may require grad (DDP with create_graph=True): the
+            # exchange is data movement, as on gloo, never recorded.
+            grad = torch.is_grad_enabled()
+            torch._C._set_grad_enabled(False)  # torch.no_grad() costs several times more
             try:
-                # Tensors may require grad (DDP with create_graph=True): the
-                # exchange is data movement, as on gloo, never recorded.
-                with torch.no_grad():
-                    body()
+                body()
             except BaseException as exc:
                 work._finish(exc)
             else:
                 work._finish()
+            finally:
+                torch._C._set_grad_enabled(grad)
 
         if nbytes is None or nbytes > IN_PLACE_BYTES or not self._worker.here(run):
             self._worker.submit(name, self._timeout, run)

@@ -71,7 +71,7 @@ wake-up (two under load) and nothing else.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -86,7 +86,7 @@ from gradhub.transports.c10d_errors import first_line
 from gradhub.transports.operation import Operation
 
 RedOp: Any = dist.ReduceOp.RedOpType
-_TRANSPORT_OPS = (RedOp.SUM, RedOp.AVG, RedOp.PREMUL_SUM)
+_TRANSPORT_OPS = frozenset(int(k) for k in (RedOp.SUM, RedOp.AVG, RedOp.PREMUL_SUM))
 _PLAIN = codecs.NoCompression()
 WIRE: dict[torch.dtype, codecs.Codec] = {
     torch.float32: _PLAIN,
@@ -101,20 +101,43 @@ _EVERY_SIZE = Chunking(small_bytes=1 << 62)
 
 @dataclass(frozen=True)
 class Reduction:
-    """A ``ReduceOp`` read once: its kind and, for ``PREMUL_SUM``, its factor."""
+    """A ``ReduceOp`` read once: its kind, for ``PREMUL_SUM`` its factor, and what
+    the operations ask of it as plain booleans (a comparison of torch's enum
+    costs about a microsecond, several per call)."""
 
     kind: Any
     factor: float | None = None
+    is_sum: bool = field(init=False)
+    is_average: bool = field(init=False)
+    is_premul: bool = field(init=False)
+    on_transport: bool = field(init=False)
+    """Whether gradhub's transports carry this reduction (a sum)."""
+
+    def __post_init__(self) -> None:
+        code = int(self.kind)
+        object.__setattr__(self, "is_sum", code == int(RedOp.SUM))
+        object.__setattr__(self, "is_average", code == int(RedOp.AVG))
+        object.__setattr__(self, "is_premul", code == int(RedOp.PREMUL_SUM))
+        object.__setattr__(self, "on_transport", code in _TRANSPORT_OPS)
 
     @classmethod
     def of(cls, op: Any) -> Reduction:
         kind = getattr(op, "op", op)
+        plain = _PLAIN_REDUCTIONS.get(int(kind))
+        if plain is not None:
+            return plain
         factor = getattr(op, "factor", None) if kind == RedOp.PREMUL_SUM else None
         return cls(kind, None if factor is None else float(factor))
 
     def gloo_op(self) -> dist.ReduceOp:
         """The op gloo runs after :meth:`premultiply` (``PREMUL_SUM`` becomes ``SUM``)."""
-        return dist.ReduceOp(RedOp.SUM if self.kind == RedOp.PREMUL_SUM else self.kind)
+        return dist.ReduceOp(RedOp.SUM if self.is_premul else self.kind)
+
+
+_PLAIN_REDUCTIONS = {
+    int(kind): Reduction(kind) for kind in RedOp.__members__.values() if kind != RedOp.PREMUL_SUM
+}
+"""One :class:`Reduction` per kind without a factor: read per call, made once."""
 
 
 @dataclass
@@ -132,7 +155,7 @@ class Context:
 def on_transport(tensors: Sequence[torch.Tensor], reduction: Reduction | None = None) -> bool:
     """Whether gradhub's transports carry this operation (dense tensors of one
     dtype of :data:`WIRE`; a sum)."""
-    if reduction is not None and reduction.kind not in _TRANSPORT_OPS:
+    if reduction is not None and not reduction.on_transport:
         return False
     return bool(tensors) and all(
         t.dtype == tensors[0].dtype and t.dtype in WIRE and t.layout == torch.strided
@@ -148,7 +171,7 @@ def nbytes(tensors: Sequence[torch.Tensor]) -> int:
 def premultiply(tensors: Sequence[torch.Tensor], reduction: Reduction) -> None:
     """Multiply by ``PREMUL_SUM``'s factor in place (floating-point tensors:
     :mod:`.checks` refused the others)."""
-    if reduction.kind == RedOp.PREMUL_SUM and reduction.factor is not None:
+    if reduction.is_premul and reduction.factor is not None:
         for t in tensors:
             t.mul_(reduction.factor)
 
@@ -230,7 +253,7 @@ def _widened(ctx: Context, tensors: Sequence[torch.Tensor], reduction: Reduction
     at = 0
     for t in tensors:
         source = t.detach()
-        if reduction.kind == RedOp.PREMUL_SUM and reduction.factor is not None:
+        if reduction.is_premul and reduction.factor is not None:
             source = source * reduction.factor
         flat[at : at + t.numel()].view(t.shape).copy_(source)
         at += t.numel()
@@ -251,7 +274,7 @@ def transport_all_reduce(
     if transport is not None and op is not None:
         codec, chunking = _summing(transport, dtype)
         transport.all_reduce(op, flat, codec, chunking)
-    average = reduction.kind == RedOp.AVG
+    average = reduction.is_average
     if average and dtype == torch.float32:
         flat.div_(ctx.size)
     if not in_place:
@@ -279,8 +302,7 @@ def transport_reduce_scatter(
         # output is this rank's own chunk of it or lies outside it.
         own = chunks[ctx.group.rank]
         if callers and (
-            reduction.kind == RedOp.PREMUL_SUM
-            or (_overlaps(out, flat) and out.data_ptr() != own.data_ptr())
+            reduction.is_premul or (_overlaps(out, flat) and out.data_ptr() != own.data_ptr())
         ):
             flat = flat.clone()
         premultiply([flat], reduction)
@@ -290,11 +312,11 @@ def transport_reduce_scatter(
     op, transport = _begin(ctx, name)
     codec, chunking = _summing(transport, dtype)
     transport.reduce_scatter(op, flat, codec, _equal(n, ctx.size), out.view(-1), chunking)
-    if reduction.kind == RedOp.AVG and dtype == torch.float32:
+    if reduction.is_average and dtype == torch.float32:
         out.div_(ctx.size)
     if not direct:
         output.copy_(out.view(output.shape))
-    if reduction.kind == RedOp.AVG and dtype != torch.float32:
+    if reduction.is_average and dtype != torch.float32:
         output.div_(ctx.size)
 
 

@@ -230,7 +230,7 @@ class GradhubProcessGroup(GroupBase):
         width = len(input_tensors[0]) if input_tensors else 0
 
         def gloo(pg: dist.ProcessGroup, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> Any:
-            ins = [t.clone() for t in ins] if red.kind == ops.RedOp.PREMUL_SUM else ins
+            ins = [t.clone() for t in ins] if red.is_premul else ins
             ops.premultiply(ins, red)
             options = dist.ReduceScatterOptions()
             options.reduceOp = red.gloo_op()
@@ -259,7 +259,7 @@ class GradhubProcessGroup(GroupBase):
             )
 
         def gloo(pg: dist.ProcessGroup, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> Any:
-            source = ins[0].clone() if red.kind == ops.RedOp.PREMUL_SUM else ins[0]
+            source = ins[0].clone() if red.is_premul else ins[0]
             ops.premultiply([source], red)
             options = dist.ReduceScatterOptions()
             options.reduceOp = red.gloo_op()

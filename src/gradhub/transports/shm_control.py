@@ -7,19 +7,25 @@ an exposure flag (which shared vector it exposes, 0: none) and an address
 (where the other ranks read its all-gather slice in its own memory, 0:
 in its region); and a line for the set-up's handshake.
 
-Waiting: ``futex`` waits on a counter in the kernel (no spinning: the ranks
-may share fewer cores than there are ranks), in slices of :data:`WAIT_SLICE`
-seconds; after each slice every peer's process is checked through a ``pidfd``
-(not only the one waited on, which may itself have left for another's death):
+Waiting: a waiter first polls the counter for at most :data:`SPIN` seconds
+(a peer running on another core gets there within microseconds, and a
+sleeper's wake-up costs tens of them), and only while polling pays: a poll
+that runs out makes the next waits sleep at once, more of them after each
+miss in a row, so where the ranks share fewer cores than there are ranks
+(a busy machine) a waiter hardly polls and leaves the core to its peer.
+Then ``futex`` waits on the counter in the kernel, in slices of
+:data:`WAIT_SLICE` seconds; after each slice every peer's process is checked
+through a ``pidfd`` (not only the one waited on, which may itself have left
+for another's death):
 a dead peer is a :class:`~gradhub.errors.WorkerFailedError` naming its rank
 and pid (so is one that closed its side while another still waits on it: its
 "left" line), and a peer that is alive but late past the operation's deadline a
 :class:`~gradhub.errors.CollectiveTimeoutError` naming it. Either breaks the
 group, as on the ring.
 
-Memory ordering: a counter is stored after the data it publishes; x86-64
-keeps stores in order, and the ``futex`` system calls on both sides are full
-barriers.
+Memory ordering: a counter is stored after the data it publishes and read
+before them; x86-64 keeps stores in order and loads in order, and the
+``futex`` system calls on both sides are full barriers.
 """
 
 from __future__ import annotations
@@ -27,7 +33,9 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import platform
 import select
+import time
 from collections.abc import Sequence
 
 import torch
@@ -39,6 +47,12 @@ from gradhub.transports.group import CollectiveGroup, Operation
 from gradhub.transports.shm_setup import died_error, late_error
 
 WAIT_SLICE = 0.1
+SPIN = 50e-6 if platform.machine() == "x86_64" else 0.0
+"""Seconds a waiter polls a counter before it sleeps on it (see the module
+docstring). x86-64 only: a poll reads the counter and then the data with plain
+loads, which x86-64 keeps in order; elsewhere the futex calls are the barriers."""
+_MISSES = 8
+"""At most ``2**8 - 1`` waits in a row sleep at once after polls that ran out."""
 """Seconds a futex wait sleeps before the peer's process is checked again."""
 
 _LINE = 64  # bytes per counter: one cache line each
@@ -69,6 +83,8 @@ class Control:
         self.size = len(self.ranks)
         self.index = self.ranks.index(group.rank)
         self._pidfds: dict[int, int] = {}
+        self._misses = 0  # polls run out in a row (see _spun)
+        self._skip = 0  # waits left that sleep at once
         self._counters = (ctypes.c_int64 * (_KINDS * self.size * _STRIDE)).from_buffer(segment)
         self._base = ctypes.addressof(self._counters)
         self._poller = select.poll()
@@ -138,6 +154,8 @@ class Control:
         """Sleep until rank ``j``'s line ``kind`` reaches ``value``; rank ``j`` is
         the one named if it does not."""
         counters, slot = self._counters, self._slot(kind, j)
+        if self._spun(counters, slot, value):
+            return
         address = self._base + slot * 8
         while True:
             seen = counters[slot]
@@ -154,6 +172,27 @@ class Control:
                 gone = [i for i in range(self.size) if i != self.index and self.get(LEFT, i)]
                 if gone:  # it closed the group, which it left for another's death
                     raise self.died(op, gone[0], during)
+
+    def _spun(self, counters: ctypes.Array[ctypes.c_int64], slot: int, value: int) -> bool:
+        """Poll line ``slot`` for at most :data:`SPIN` seconds; whether it reached
+        ``value``. A poll that runs out (the peer is not running: the machine is
+        busy, or the peer is elsewhere in its program) makes the next
+        ``2**misses - 1`` waits sleep at once (see :data:`_MISSES`), so on a
+        busy machine a waiter hardly polls and leaves the core to others."""
+        if self._skip:
+            self._skip -= 1
+            return False
+        if SPIN <= 0:
+            return False
+        clock = time.perf_counter
+        end = clock() + SPIN
+        while counters[slot] < value:
+            if clock() > end:
+                self._misses = min(self._misses + 1, _MISSES)
+                self._skip = (1 << self._misses) - 1
+                return False
+        self._misses = max(self._misses - 1, 0)
+        return True
 
     def alive(self, j: int) -> bool:
         poller = select.poll()
