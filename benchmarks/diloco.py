@@ -12,7 +12,12 @@ weights and the same per-rank data order, so each sees the same samples:
 - ``allreduce powersgd``: the same with ``compress="powersgd"`` (rank 1);
 - ``diloco H=...``: ``strategy="diloco"`` with ``inner_steps=H`` (the outer
   optimizer is the default: SGD, lr 0.7, Nesterov momentum 0.9);
-- ``streaming F=4 ...``: ``fragments=4`` with ``compress="bf16"`` / ``"fp4"``.
+- ``streaming F=4 ...``: ``fragments=4`` with ``compress="bf16"`` / ``"fp4"``;
+- ``... outer-lr=...``: the outer SGD's lr instead of 0.7;
+- ``... lr=...``: the inner (AdamW) learning rate instead of the example's 1e-3
+  (warmup and cosine decay to 10 % as always), ``allreduce`` too, so that its
+  loss at that lr is beside them; the ratios stay against ``allreduce`` at
+  1e-3, the example's default.
 
 For each: the validation loss of rank 0's model after the last step (the
 example's fixed validation windows) and its ratio to ``allreduce``'s, and the
@@ -24,6 +29,8 @@ spread between seeds is not measured). Writes ``diloco.json`` and
 ``diloco.md`` to ``--out``.
 
     python benchmarks/diloco.py [--steps 1000] [--width 64] [--layers 2] [--settings ...]
+
+The last record ran ``--steps 1000`` with the settings its table lists.
 """
 
 from __future__ import annotations
@@ -59,6 +66,23 @@ SETTINGS: dict[str, list[str]] = {
         ]
         for c in ("bf16", "fp4")
     },
+    # A higher inner lr (AdamW, warmup + cosine to 10 %): each worker steps on a
+    # quarter of allreduce's batch. The peer at the same lr beside them.
+    "allreduce lr=4e-3": ["--strategy", "allreduce", "--lr", "4e-3"],
+    **{
+        f"diloco H=100 lr={lr}": ["--strategy", "diloco", "--inner-steps", "100", "--lr", lr]
+        for lr in ("2e-3", "4e-3", "8e-3")
+    },
+    **{
+        f"diloco H=100 outer-lr={olr}": [
+            "--strategy", "diloco", "--inner-steps", "100", "--outer-lr", olr
+        ]
+        for olr in ("0.4", "1.0")
+    },
+    "streaming H=32 F=4 fp4 lr=4e-3": [
+        "--strategy", "diloco", "--inner-steps", "32", "--fragments", "4", "--compress", "fp4",
+        "--lr", "4e-3",
+    ],
 }  # fmt: skip
 TOLERANCE = 0.02  # within 2 % of allreduce's validation loss
 
