@@ -139,7 +139,12 @@ class GroupBase(dist.ProcessGroup):
         worker is idle (:meth:`~gradhub.transports.worker.Worker.here`): its
         work is done when the call returns, and the hand-off to the worker
         and back, which costs more than such an operation's own work, is
-        saved. Anything else runs on the worker thread.
+        saved. Anything else runs on the worker thread. So a small
+        ``async_op=True`` call waits for the peers before it returns: a program
+        that issues small collectives on two groups in different orders on
+        different ranks (which torch does not forbid for asynchronous calls)
+        waits until the group's timeout names the peer, where gloo would
+        finish both.
         """
         if self._closed:
             raise ClosedError(f"[rank {self._rank}] {name}: the gradhub process group is closed")
