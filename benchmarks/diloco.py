@@ -13,7 +13,8 @@ weights and the same per-rank data order, so each sees the same samples:
 - ``diloco H=...``: ``strategy="diloco"`` with ``inner_steps=H`` (the outer
   optimizer is the default: SGD, lr 0.7, Nesterov momentum 0.9);
 - ``streaming F=4 ...``: ``fragments=4`` with ``compress="bf16"`` / ``"fp4"``;
-- ``... outer-lr=...``: the outer SGD's lr instead of 0.7;
+- ``... outer-lr=...``, ``... outer-momentum=...``: the outer SGD's lr
+  instead of 0.7, its Nesterov momentum instead of 0.9;
 - ``... lr=...``: the inner (AdamW) learning rate instead of the example's 1e-3
   (warmup and cosine decay to 10 % as always), ``allreduce`` too, so that its
   loss at that lr is beside them; the ratios stay against ``allreduce`` at
@@ -79,6 +80,9 @@ SETTINGS: dict[str, list[str]] = {
         ]
         for olr in ("0.4", "1.0")
     },
+    "diloco H=100 lr=4e-3 outer-momentum=0.8": [
+        "--strategy", "diloco", "--inner-steps", "100", "--lr", "4e-3", "--outer-momentum", "0.8"
+    ],
     "streaming H=32 F=4 fp4 lr=4e-3": [
         "--strategy", "diloco", "--inner-steps", "32", "--fragments", "4", "--compress", "fp4",
         "--lr", "4e-3",
