@@ -266,3 +266,10 @@ class StateLostError(GradhubError, RuntimeError):
     slice of the optimizer state lives on two ranks, and both holders of a slice
     died in the same change; names the slice and its holders. Raised on every
     survivor, which then exits: the job ends as a job without survival would."""
+
+
+class BrokenGroupError(WorkerFailedError, StateError):
+    """An operation on a group that a peer's death or timeout broke earlier: the
+    group is unusable (a :class:`StateError`) because of a peer (a
+    :class:`WorkerFailedError`: a surviving job regroups on it). The message
+    names the earlier failure."""

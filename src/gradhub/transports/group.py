@@ -62,6 +62,7 @@ import torch
 import torch.distributed as dist
 
 from gradhub.errors import (
+    BrokenGroupError,
     ClosedError,
     CollectiveTimeoutError,
     StateError,
@@ -209,7 +210,7 @@ class CollectiveGroup:
                 f"({self._broken}); destroy the process group and set it up again"
             )
             # A peer's death or silence is one still: survival regroups on it.
-            raise (WorkerFailedError if self._broken_by_peer else StateError)(message)
+            raise (BrokenGroupError if self._broken_by_peer else StateError)(message)
         with self._lock:
             self._sequence += 1
             sequence = self._sequence
@@ -293,7 +294,7 @@ class CollectiveGroup:
         """Refuse every later operation: ``reason`` (e.g. ``"all_gather failed"``)
         left messages or shared state of an operation half done; ``peer``: a
         peer's death or silence did (later operations raise
-        :class:`~gradhub.errors.WorkerFailedError`, else :class:`~gradhub.errors.StateError`)."""
+        :class:`~gradhub.errors.BrokenGroupError`, else :class:`~gradhub.errors.StateError`)."""
         self._broken, self._broken_by_peer = reason, peer
 
     def _log(self, err: T) -> T:
