@@ -23,12 +23,7 @@ import torch
 from gradhub.cli.launcher import LaunchConfig
 from gradhub.train.checkpoint import CheckpointDir
 from gradhub.train.metrics import read_metrics
-from survive_checks import STEPS, check_survivors, members, reference, run_job
-
-
-@pytest.fixture(scope="module")
-def sgd(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
-    return reference(tmp_path_factory.mktemp("reference-sgd"))
+from survive_checks import STEPS, check_survivors, members, run_job
 
 
 @pytest.mark.slow

@@ -15,17 +15,7 @@ import torch
 
 import readme_blocks
 from gradhub.train.metrics import read_metrics
-from survive_checks import STEPS, check_survivors, members, reference, run_job
-
-
-@pytest.fixture(scope="module")
-def sgd(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
-    return reference(tmp_path_factory.mktemp("reference-sgd"))
-
-
-@pytest.fixture(scope="module")
-def adamw(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
-    return reference(tmp_path_factory.mktemp("reference-adamw"), "--optimizer", "adamw")
+from survive_checks import STEPS, check_survivors, members, run_job
 
 
 @pytest.mark.slow

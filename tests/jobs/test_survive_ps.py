@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 import torch
 
-from survive_checks import STEPS, TOLERANCE, members, reference
+from survive_checks import STEPS, TOLERANCE, members
 from survive_job import SAMPLES
 
 JOB = str(Path(__file__).with_name("survive_ps_job.py"))
@@ -67,11 +67,6 @@ def check_sync(found: dict[int, dict[str, Any]], want: dict[str, torch.Tensor]) 
         for name, value in m["params"].items():
             diff = (value - want[name]).abs().max().item()
             assert diff <= TOLERANCE, f"{name}: {diff:.2e} from the single process"
-
-
-@pytest.fixture(scope="module")
-def sgd(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
-    return reference(tmp_path_factory.mktemp("reference-sgd"))
 
 
 @pytest.mark.slow

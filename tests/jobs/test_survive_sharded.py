@@ -17,19 +17,9 @@ import pytest
 import torch
 
 from gradhub.train.metrics import read_metrics
-from survive_checks import STEPS, check_survivors, members, reference, run_job
+from survive_checks import STEPS, check_survivors, members, run_job
 
 SHARDED = ("--strategy", "sharded")
-
-
-@pytest.fixture(scope="module")
-def sgd(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
-    return reference(tmp_path_factory.mktemp("reference-sgd"))
-
-
-@pytest.fixture(scope="module")
-def adamw(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
-    return reference(tmp_path_factory.mktemp("reference-adamw"), "--optimizer", "adamw")
 
 
 @pytest.mark.slow
