@@ -6,9 +6,11 @@ optimizer state dies with its rank.
   weights and optimizer state, stepped at every step with the same combined
   gradient the owner steps it with (``.grad`` holds the same bits on every
   rank), so owner and mirror stay bit-identical without sending any state.
-  The mirror of slice ``i`` is on the next rank after ``i`` that is on
-  another host (the next rank where all share one host): the death of a
-  whole host loses no slice while another host lives. Cost per step: one
+  The mirror of slice ``i`` is on another host's rank where there is one
+  (the next rank where all share one host; the k-th rank of a host on the
+  k-th of the ranks after it elsewhere, so that each rank holds one mirror
+  where the hosts hold as many ranks each): the death of a whole host loses
+  no slice while another host lives. Cost per step: one
   more slice's optimizer step (``1/P`` of the model's elementwise update)
   and, per rank, one more slice of fp32 weights and optimizer state.
 - **A step commits on every survivor or on none.** A rank counts a step as
@@ -184,7 +186,10 @@ class ShardedSurvival:
         holders: dict[int, tuple[int, int]] = {}
         for i, (start, length) in enumerate(partition_ranges(self._flat.numel(), n)):
             others = [(i + d) % n for d in range(1, n)]
-            holder = next((r for r in others if hosts[r] != hosts[i]), others[0])
+            away = [r for r in others if hosts[r] != hosts[i]] or others[:1]
+            # The k-th rank of a host mirrors on the k-th rank after it elsewhere:
+            # one mirror per rank where the hosts hold as many ranks each.
+            holder = away[hosts[:i].count(hosts[i]) % len(away)]
             holders[start] = (i, holder)
             if holder == rt.rank and length:
                 mirror = Mirror(self._spec, self._sizes, start, length, self._flat)
