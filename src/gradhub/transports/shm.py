@@ -389,10 +389,12 @@ class ShmTransport(Transport):
     def _late(self, j: int) -> CollectiveTimeoutError:
         return self._ctl.late(self._op, self._sequence, j)
 
-    def _died_now(self, j: int, during: str) -> WorkerFailedError:
+    def _died_now(self, j: int, during: str) -> WorkerFailedError | CollectiveTimeoutError:
         return self._died(self._op, j, during)
 
-    def _died(self, op: Operation, j: int, during: str) -> WorkerFailedError:
+    def _died(
+        self, op: Operation, j: int, during: str
+    ) -> WorkerFailedError | CollectiveTimeoutError:
         if self._control is not None:
             return self._control.died(op, j, during)
         pids = self._joined.pids

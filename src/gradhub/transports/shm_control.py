@@ -216,7 +216,9 @@ class Control:
         behind = [self.ranks[i] for i in range(self.size) if self.get(ENTERED, i) < k]
         return late_error(self.group, op, behind, self.ranks[j])
 
-    def died(self, op: Operation, j: int, during: str) -> WorkerFailedError:
+    def died(
+        self, op: Operation, j: int, during: str
+    ) -> WorkerFailedError | CollectiveTimeoutError:
         pid = self.pids[j] if j < len(self.pids) else None
         return died_error(self.group, op, self.ranks[j], pid, during)
 

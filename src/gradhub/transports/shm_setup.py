@@ -34,7 +34,7 @@ _log = logging.getLogger("gradhub.collective")
 _HELLO = struct.Struct("<qq")  # rank, pid
 _GROW = struct.Struct("<q")  # bytes of the segment
 
-Died = Callable[[int, str], WorkerFailedError]
+Died = Callable[[int, str], WorkerFailedError | CollectiveTimeoutError]
 """``died(local index, during)``: the error for a peer that is gone."""
 TimedOut = Callable[[list[int]], CollectiveTimeoutError]
 """``timed_out(group ranks)``: the error for peers that did not come in time."""
@@ -155,8 +155,12 @@ def late_error(
 
 def died_error(
     group: CollectiveGroup, op: Operation, rank: int, pid: int | None, during: str
-) -> WorkerFailedError:
-    """Rank ``rank`` (process ``pid``) died during ``during`` of ``op``. Breaks the group."""
+) -> WorkerFailedError | CollectiveTimeoutError:
+    """Rank ``rank`` (process ``pid``) died during ``during`` of ``op``. Breaks the group.
+    A rank that ran out of time in ``op`` and then exited did not die: the error is
+    then the timeout, naming whom it waited for (as a lost connection's is)."""
+    if group.gave_up(op, rank):
+        return group.timed_out(op, rank)
     group.mark_broken(f"{op.name} failed", peer=True)
     err = WorkerFailedError(
         f"[rank {group.rank}] {op.name}: rank {rank} (pid {'?' if pid is None else pid}) "
