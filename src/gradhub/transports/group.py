@@ -317,15 +317,6 @@ class CollectiveGroup:
             return None
         return missing
 
-    def gave_up(self, op: Operation, rank: int) -> bool:
-        """Whether ``rank`` noted that it ran out of time in ``op`` (and left)."""
-        if self.store is None:
-            return False
-        try:
-            return bool(self.store.check([f"gave-up/{op.sequence}/{rank}"]))
-        except RuntimeError:  # the store's host is gone
-            return False
-
     def _roll_call(self, op: Operation) -> tuple[list[int], list[int]]:
         """After a lost connection: :func:`.stores.roll_call` (silent ranks, quitters)."""
         if self.store is None:

@@ -28,6 +28,7 @@ from gradhub._shm.memory import Mapping, new_segment, recv_exact
 from gradhub.errors import CollectiveTimeoutError, StateError, WorkerFailedError
 from gradhub.transports.group import CollectiveGroup
 from gradhub.transports.operation import Operation
+from gradhub.transports.stores import gave_up
 
 _log = logging.getLogger("gradhub.collective")
 
@@ -159,7 +160,7 @@ def died_error(
     """Rank ``rank`` (process ``pid``) died during ``during`` of ``op``. Breaks the group.
     A rank that ran out of time in ``op`` and then exited did not die: the error is
     then the timeout, naming whom it waited for (as a lost connection's is)."""
-    if group.gave_up(op, rank):
+    if gave_up(group.store, op.sequence, rank):
         return group.timed_out(op, rank)
     group.mark_broken(f"{op.name} failed", peer=True)
     err = WorkerFailedError(

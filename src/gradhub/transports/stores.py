@@ -104,3 +104,14 @@ def roll_call(
     except RuntimeError as exc:  # the store's host is gone
         _log.debug("[rank %d] store unreachable during the roll call: %s", rank, exc)
         return ([0] if rank != 0 else []), []
+
+
+def gave_up(store: dist.Store | None, sequence: int, rank: int) -> bool:
+    """Whether ``rank`` noted (``gave-up/<sequence>/<rank>``) that it ran out of
+    time in operation ``sequence`` and left."""
+    if store is None:
+        return False
+    try:
+        return bool(store.check([f"gave-up/{sequence}/{rank}"]))
+    except RuntimeError:  # the store's host is gone
+        return False
