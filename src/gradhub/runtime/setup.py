@@ -11,6 +11,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+# Imported before any group exists: this module binds the default group as its
+# functions' default argument on first import (torch imports it lazily, e.g. with
+# its compiler), which would keep a destroyed gloo group alive until interpreter
+# exit, where gloo's threads freeing their last tensors abort the process.
+import torch.distributed.nn.functional
+
 from gradhub.errors import InvalidOptionError, LaunchEnvironmentError, RendezvousError
 from gradhub.transports.c10d_errors import rendezvous_error
 from gradhub.transports.choice import requested as requested_transport

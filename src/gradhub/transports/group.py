@@ -19,12 +19,9 @@ Decisions:
 - **Timeout.** A wrapper made here of a process group the user created uses
   that group's own timeout (``init_process_group(timeout=...)``), unless
   ``timeout=`` is given.
-- **Check-in.** At the start of every operation each rank writes the
-  operation's sequence number under its own key in the store (one key per
-  rank, overwritten, so the store does not grow). Every rank numbers its
-  wrappers of one process group in creation order, and each wrapper checks
-  in under its own number, so wrappers created in the same order on every
-  rank (as collectives require) compare like with like.
+- **Check-in.** Each operation starts with the rank writing its sequence
+  number under its own key in the store (overwritten: the store does not
+  grow), under the wrapper's creation number, alike on every rank.
 - **Naming who failed** (:meth:`CollectiveGroup.failure`, where c10d's errors
   of operations become gradhub's, through :mod:`.c10d_errors`):
 
@@ -42,10 +39,10 @@ Decisions:
     :class:`~gradhub.errors.WorkerFailedError` naming the store's address,
     raised before the operation starts.
 - **A failure breaks the group.** Messages of the failed operation may still
-  be in flight, so later operations on the group raise
-  :class:`~gradhub.errors.StateError`; destroy and re-create it.
-- Ranks in errors are ranks within the group (the same as global ranks for
-  the default group).
+  be in flight: later operations raise :class:`~gradhub.errors.StateError`.
+  Ranks in errors are the group's (global ranks for the default group).
+- **Close lets go of the process group** (and destroys it when this wrapper
+  set it up), so gloo's threads end before the interpreter's exit.
 """
 
 from __future__ import annotations
@@ -106,7 +103,7 @@ class CollectiveGroup:
         owns_process_group: bool = False,
         transport: str | None = None,
     ):
-        self.process_group = process_group
+        self._process_group: dist.ProcessGroup | None = process_group
         self.transport = transport
         """Requested transport (:mod:`.choice`); ``None``: ``GRADHUB_TRANSPORT`` or auto."""
         self.transport_choice: Transport | None = None
@@ -120,13 +117,11 @@ class CollectiveGroup:
         """torch's name of the backend: ``"gloo"``, ``"nccl"``, ``"cpu:gloo,cuda:nccl"``, ..."""
         self.backends = device_backends(self.backend)
         """Device type -> the backend that carries its tensors (:func:`.stores.device_backends`)."""
+        cpu = "cpu" in self.backends
         self.device = (
-            torch.device("cpu")
-            if "cpu" in self.backends
-            else torch.device("cuda", torch.cuda.current_device())
+            torch.device("cpu") if cpu else torch.device("cuda", torch.cuda.current_device())
         )
-        """Where the group's own tensors live (check-ins, scratch): CPU wherever a
-        backend carries CPU tensors, else (NCCL alone) the current GPU."""
+        """Where the group's own tensors live: CPU where a backend carries CPU tensors."""
         self.timeout = float(timeout)
         self.store: dist.Store | None = None
         """This wrapper's own part of the job's c10d store (``None``: no store)."""
@@ -146,6 +141,13 @@ class CollectiveGroup:
         self._scratch: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
         self._on_close: list[Callable[[], None]] = []
         self._check_in(0)
+
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        """The torch process group (let go at :meth:`close`)."""
+        if self._process_group is None:
+            raise ClosedError(f"[rank {self.rank}] the collective group is closed")
+        return self._process_group
 
     def on_close(self, fn: Callable[[], None]) -> None:
         """Call ``fn`` when the group closes (after its last operation)."""
@@ -181,9 +183,7 @@ class CollectiveGroup:
         return cls(pg, store=store, timeout=limit, transport=transport)
 
     def sibling(self) -> CollectiveGroup:
-        """Another wrapper of the same process group, with its own operation
-        counter and check-ins: for operations issued from another thread than
-        this wrapper's (the caller closes it; it never destroys the group)."""
+        """Another wrapper of the process group, with its own counter and check-ins."""
         return CollectiveGroup(self.process_group, store=self._base_store, timeout=self.timeout)
 
     @classmethod
@@ -412,10 +412,8 @@ class CollectiveGroup:
 
     # -------------------------------------------------------------- lifecycle
     def close(self) -> None:
-        """Stop the worker thread; destroy the process group if this group set it up.
-
-        Idempotent. Operations still queued finish (each is bounded by its timeout).
-        """
+        """Stop the worker thread (queued operations finish, each within its timeout),
+        let go of the process group and destroy it if this wrapper set it up. Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -424,9 +422,11 @@ class CollectiveGroup:
             fn()
         self._on_close.clear()
         self._scratch.clear()
+        # Let go of the process group now, not at interpreter exit: a gloo thread
+        # that frees its last operation's tensors then aborts the process.
+        pg, self._process_group = self._process_group, None
         if self._owns and dist.is_initialized():
-            dist.destroy_process_group(self.process_group)
-            _log.debug("[rank %d] process group destroyed", self.rank)
+            dist.destroy_process_group(pg)
 
     @property
     def closed(self) -> bool:
