@@ -17,6 +17,11 @@ reader has to follow. Rules:
   never import each other; what both need is in ``ps.wire`` (which imports
   neither) or at the top of ``ps`` (``base``, ``lanes``, ``secret``).
 - **No cycles** between modules.
+- **No stubs for another module to fill** in :data:`STUB_FREE`: a function whose
+  body is only ``raise NotImplementedError`` (a base class whose subclass in
+  another module supplies it) is an arrow from the base to the subclass that
+  no import shows. A class is given what it needs instead (the client's
+  ``ServerRequests`` gets its servers' addresses and the channel's ``submit``).
 """
 
 from __future__ import annotations
@@ -60,6 +65,9 @@ FORBIDDEN = {
     ),
 }
 """Subsystem (or a side of one) -> packages it must not import."""
+
+STUB_FREE = ("gradhub.ps",)
+"""Packages with no ``raise NotImplementedError`` stub (:func:`stubs`)."""
 
 KNOWN_CYCLES: set[frozenset[str]] = set()
 """Cycles that predate this test, being taken apart; remove an entry with its
@@ -176,6 +184,25 @@ def cycles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
     return found
 
 
+def stubs(root: Path, packages: tuple[str, ...] = STUB_FREE) -> list[str]:
+    """Every function of ``packages`` whose body (past its docstring) is only
+    ``raise NotImplementedError``, as ``module:line name``."""
+    found = []
+    for name, path in sorted(modules(root).items()):
+        if not any(within(name, p) for p in packages):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            body = node.body[1:] if ast.get_docstring(node) is not None else node.body
+            raised = body[0].exc if len(body) == 1 and isinstance(body[0], ast.Raise) else None
+            if isinstance(raised, ast.Call):
+                raised = raised.func
+            if isinstance(raised, ast.Name) and raised.id == "NotImplementedError":
+                found.append(f"{name}:{node.lineno} {node.name}")
+    return found
+
+
 def test_layers_and_subsystems_hold() -> None:
     graph = import_graph(SRC)
     assert "gradhub.transports.base" in graph and "gradhub.ps.client.arena" in graph
@@ -186,6 +213,36 @@ def test_layers_and_subsystems_hold() -> None:
 def test_no_import_cycles() -> None:
     found = [sorted(c) for c in cycles(import_graph(SRC)) if c not in KNOWN_CYCLES]
     assert found == []
+
+
+def test_no_stubs_for_another_module_to_fill() -> None:
+    assert stubs(SRC) == []
+
+
+def test_the_stub_check_catches_a_planted_stub(tmp_path: Path) -> None:
+    """A bare and a called ``NotImplementedError`` body (after a docstring too) are
+    reported; an abstract method's ``...``, a raise among other statements and a
+    stub outside :data:`STUB_FREE` are not."""
+    files = {
+        "gradhub/__init__.py": "",
+        "gradhub/ps/__init__.py": "",
+        "gradhub/ps/client/__init__.py": "",
+        "gradhub/ps/client/base.py": (
+            "class Base:\n"
+            "    def send(self):\n        raise NotImplementedError\n"
+            "    def check(self):\n        '''Doc.'''\n        raise NotImplementedError('x')\n"
+            "    @abc.abstractmethod\n    def pull(self):\n        ...\n"
+            "    def push(self, n):\n        if n:\n            raise NotImplementedError\n"
+        ),
+        "gradhub/train/__init__.py": "",
+        "gradhub/train/loop.py": (
+            "class Loop:\n    def step(self):\n        raise NotImplementedError\n"
+        ),
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert stubs(tmp_path) == ["gradhub.ps.client.base:2 send", "gradhub.ps.client.base:4 check"]
 
 
 def test_the_checks_catch_a_bad_arrow(tmp_path: Path) -> None:

@@ -60,7 +60,7 @@ __all__ = ["DEFAULT_SLICE_BYTES", "ClientConfig", "RemoteParameterServer", "chec
 log = logging.getLogger(__name__)
 
 
-class RemoteParameterServer(ServerRequests, ParameterServer):
+class RemoteParameterServer(ParameterServer):
     """A client of one or more ``gradhub serve`` processes.
 
     Configured by a :class:`~gradhub.ps.client.config.ClientConfig` (its fields
@@ -105,6 +105,7 @@ class RemoteParameterServer(ServerRequests, ParameterServer):
             arena_min_bytes=int(cfg.arena_min_bytes),
             shared=self._shared,
         )
+        self._admin = ServerRequests(self.addresses, self._channel.submit)
 
     @property
     def dropped_replies(self) -> int:
@@ -259,13 +260,6 @@ class RemoteParameterServer(ServerRequests, ParameterServer):
         first = targets[0]
         held = self._shared.claim(first, writes=True, what=f"pull of {key!r}")
         flat = None if held is None else first.view(-1)  # the server may write into it
-        pieces = layout(
-            key,
-            first.numel() * first.element_size(),
-            first.numel(),
-            len(self.addresses),
-            self.slice_bytes,
-        )
         futures = [
             self._submit(
                 Op.PULL,
@@ -278,7 +272,7 @@ class RemoteParameterServer(ServerRequests, ParameterServer):
                 * (first.numel() if piece.span is None else piece.span.stop - piece.span.start),
                 into=None if flat is None else flat[piece.span or slice(None)],
             )
-            for piece in pieces
+            for piece in self._pieces(key, first)
         ]
         return self._shared.hold(all_of(self._channel, futures), [held])
 
@@ -338,13 +332,28 @@ class RemoteParameterServer(ServerRequests, ParameterServer):
             f.result()
 
     def _pieces(self, key: str, like: torch.Tensor) -> list[Piece]:
-        return layout(
-            key,
-            like.numel() * like.element_size(),
-            like.numel(),
-            len(self.addresses),
-            self.slice_bytes,
-        )
+        """Where the slices of ``key`` (shaped and typed as ``like``) live."""
+        nbytes, servers = like.numel() * like.element_size(), len(self.addresses)
+        return layout(key, nbytes, like.numel(), servers, self.slice_bytes)
+
+    def stats(self) -> list[dict[str, Any]]:
+        """Each server's counters and accounting (blocks up to ``timeout``)."""
+        self._check_open()
+        return self._admin.stats()
+
+    def set_members(self, members: Sequence[int], generation: int) -> None:
+        """Tell every server a surviving job's membership ``generation``: the worker
+        ids in ``members`` are its workers from now on. A sync round not applied
+        yet is dropped (its step is pushed again), the others leave rounds and
+        staleness for good, and a push tagged with an older generation is
+        ignored (:mod:`gradhub.ps.server.consistency`). Blocks up to ``timeout``."""
+        self._check_open()
+        self._admin.set_members(members, generation)
+
+    def shutdown_servers(self) -> None:
+        """Ask every server to checkpoint and exit."""
+        self._check_open()
+        self._admin.shutdown_servers()
 
     def flush(self, timeout: float | None = None) -> None:
         """Return once every server holds everything it acknowledged to this client on disk.
