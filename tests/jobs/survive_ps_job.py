@@ -22,9 +22,10 @@ step it committed to ``trained-<member>.jsonl`` (written as it goes, so a
 dead worker's committed steps are there too).
 
 Every worker that finishes writes ``member-<id>.json`` (its pid at the start
-and at the end, the committed steps, its rank and world size at the end, and
-the servers' push counters) and ``member-<id>.pt``, the parameters it holds
-at the end (pulled from the servers).
+and at the end, the committed steps, its rank and world size at the end, the
+servers' push counters and the server's accounting of each key's steps) and
+``member-<id>.pt``, the parameters it holds at the end (pulled from the
+servers).
 """
 
 from __future__ import annotations
@@ -132,6 +133,9 @@ def finish(
         failed_steps=strategy.failed_steps,
         pushes={k: sum(r["counters"][k] for r in reports) for k in _COUNTERS},
         applied_by_worker=reports[0]["push_applied_by_worker"],
+        # key -> worker -> its pushes in the key's applied steps; key -> applied steps
+        steps=reports[0]["steps"],
+        rounds_applied=reports[0]["rounds_applied"],
     )
     to.mkdir(parents=True, exist_ok=True)
     torch.save(model.state_dict(), to / f"member-{out['member']}.pt")

@@ -12,8 +12,12 @@ different order of float32 additions, measured about 2e-7 after 32 steps),
 and the server made exactly one update per key and step (4 keys, 32 steps):
 no round mixed the dead worker's push with the redo, none was applied twice.
 
-ps-async, ps-ssp: no sample is lost: every sample of both epochs is in a step
-some worker committed (the dead worker's committed steps included).
+ps-async, ps-ssp: every sample of both epochs is in exactly one share of a
+step some worker committed (the dead worker's committed steps included), and
+the server applied each share once: every key applied each of the 32 steps
+once, from one membership's pushes, whole (the old one's 4, or the
+survivors' 3 for the steps from the failed one on), and made no other
+update.
 """
 
 from __future__ import annotations
@@ -123,24 +127,47 @@ def test_ps_sync_own_loop_survives_a_death_once_every_round_was_complete(
 @pytest.mark.timeout(600)  # a job of 5 processes, and the reference, on a loaded machine
 @pytest.mark.parametrize("mode", ["async", "ssp"])
 def test_ps_async_survivors_take_over_the_dead_workers_share(tmp_path: Path, mode: str) -> None:
-    """Member 3 dies between two pushes of step 7. Its share of that step, and of
-    every later one, is trained by the survivors: each sample of both epochs is
-    in a step some worker committed (under ssp no pull waits for the dead
-    worker: the job ends)."""
+    """Member 3 dies between two pushes of step 7: after its push of the first key
+    (``0.weight``), before the second. Its share of that step, and of every
+    later one, is trained by the survivors: each sample of both epochs is in
+    one share of a step some worker committed (under ssp no pull waits for the
+    dead worker: the job ends). The first key applies step 7 once: the four
+    first pushes (when the survivors' arrived before the new membership) or
+    the survivors' redo; the other keys apply the redo alone."""
     out = tmp_path / "job"
     code = run_job(out, mode, "--kill", "3:7:pushing", "--loop")
     assert code == 0, (tmp_path / "job.log").read_text()
     found = check_survivors(out, [0, 1, 2])
-    trained: dict[int, set[int]] = {0: set(), 1: set()}
-    steps: set[int] = set()
+    trained: dict[int, list[int]] = {0: [], 1: []}
+    shares: dict[int, list[int]] = {}
     for path in out.glob("trained-*.jsonl"):
         for line in path.read_text().splitlines():
             entry = json.loads(line)
-            trained[entry["epoch"]].update(entry["samples"])
-            steps.add(entry["step"])
+            trained[entry["epoch"]] += entry["samples"]
+            shares.setdefault(entry["step"], []).append(len(entry["samples"]))
     assert len(list(out.glob("trained-*.jsonl"))) == 4  # the dead worker's too
-    assert steps == set(range(STEPS))
+    assert {step: len(n) for step, n in shares.items()} == {
+        step: 4 if step < 7 else 3 for step in range(STEPS)
+    }
     for epoch, samples in trained.items():
-        assert samples == set(range(SAMPLES)), f"epoch {epoch}: {SAMPLES - len(samples)} lost"
+        assert sorted(samples) == list(range(SAMPLES)), f"epoch {epoch}: lost or twice"
     for m in found.values():
         assert all(torch.isfinite(v).all() for v in m["params"].values())
+        check_applied_once(m)
+
+
+def check_applied_once(m: dict[str, Any]) -> None:
+    """The server's accounting after member 3 died in step 7 between its first and
+    second push: every key applied each step once, with one push per worker
+    of the step's membership, and the server made no other update."""
+    steps, applied = m["steps"], m["rounds_applied"]
+    assert sorted(steps) == sorted(applied) == sorted(m["params"]) and len(steps) == KEYS
+    for key, by_worker in steps.items():
+        assert applied[key] == STEPS, f"{key}: {applied[key]} steps applied"
+        first = 8 if key == "0.weight" else 7  # 0.weight: step 7 of the old membership?
+        assert by_worker in (
+            {"0": STEPS, "1": STEPS, "2": STEPS, "3": 7},
+            {"0": STEPS, "1": STEPS, "2": STEPS, "3": first},
+        ), f"{key}: pushes applied per worker {by_worker}"
+    counted = sum(n for by_worker in steps.values() for n in by_worker.values())
+    assert m["pushes"]["updates"] == counted, m["pushes"]

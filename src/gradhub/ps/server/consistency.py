@@ -4,7 +4,8 @@ A worker's **step on a key** is the number of pushes the server has taken from
 it for that key. Workers need no explicit clock: pushing a key advances the
 worker on it, and a pull is judged against the steps of the live workers.
 
-- ``async``: every push is applied on arrival; pulls never wait.
+- ``async``: every push is applied on arrival (a surviving job's: below);
+  pulls never wait.
 - ``sync`` (MXNet ``dist_sync``): a worker's n-th push of a key joins round n
   of that key; gradients of a round are summed and applied **once**, when every
   live worker has pushed for it (and at least ``workers`` distinct workers have
@@ -25,7 +26,7 @@ count as live workers at step 0, so an early starter does not run rounds alone.
 
 A surviving job (``gradhub run --survive``) says who its workers are
 (:meth:`Consistency.set_members`, each membership generation after a worker's
-death) and tags its sync pushes with the job's step and generation:
+death) and tags its pushes with the job's step and generation, in every mode:
 
 - A tagged push joins the round of its **step** (not of its count of pushes),
   which is applied once every member of the current membership pushed for it;
@@ -34,6 +35,14 @@ death) and tags its sync pushes with the job's step and generation:
   the survivors train a failed step again, and a key whose round was applied
   before the death keeps that update (the redo's gradient is the same global
   batch's).
+- What a complete round applies: under sync the sum of its pushes, one
+  update; under async and ssp each push on its own, in the order of the
+  worker ids (a skip push: nothing), as untagged pushes are applied. The
+  pushes of a step are held until the last member's arrives, so a step of a
+  key is applied from one membership's pushes, whole, or not at all: each
+  sample of the global batch reaches the key once. (The job's workers wait
+  for each other at every step anyway: a step ends once every worker's
+  pushes were accepted.)
 - A new membership (a higher generation) drops the rounds not applied yet
   (the survivors push that step again, split over themselves), takes the
   missing workers out of rounds and staleness for good (a late message of a
@@ -57,8 +66,34 @@ MODES = ("async", "sync", "ssp")
 
 @dataclass
 class _Round:
-    total: torch.Tensor
+    """The pushes of one round of a key not applied yet."""
+
+    total: torch.Tensor | None = None
+    """Summed rounds (sync): the sum of the pushes so far."""
     contributors: set[int] = field(default_factory=set)
+    parts: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Rounds of pushes applied one by one (tagged async, ssp): each worker's push."""
+
+    def add(self, worker: int, grad: torch.Tensor, *, summed: bool, skip: bool) -> None:
+        """Take ``worker``'s push (a copy: ``grad`` may be the store's small-push
+        tensor, refilled by the next push, ParameterStore.small_grad)."""
+        self.contributors.add(worker)
+        if not summed:
+            if not skip:
+                self.parts[worker] = grad.clone()
+            return
+        if skip:
+            grad = torch.zeros_like(grad)
+        if self.total is None:
+            self.total = grad.clone()
+        else:
+            self.total += grad
+
+    def updates(self) -> list[torch.Tensor]:
+        """What the complete round applies, in order."""
+        if self.total is not None:
+            return [self.total]
+        return [self.parts[w] for w in sorted(self.parts)]
 
 
 class Consistency:
@@ -154,46 +189,32 @@ class Consistency:
         """
         if generation is not None and generation < self.generation:
             return None  # made before the last membership: its step is trained again
-        if worker in self.left and self.mode == "sync":
+        if worker in self.left and (self.mode == "sync" or step is not None):
             return None
         steps = self.steps.setdefault(key, {})
-        if self.mode == "sync" and step is not None:
+        if step is not None:
             return self._push_step(worker, key, grad, step, skip)
         if self.mode != "sync":
             steps[worker] = steps.get(worker, 0) + 1
             return [] if skip else [grad]
-        if skip:
-            grad = torch.zeros_like(grad)
         applied = self.rounds_applied.setdefault(key, 0)
         rnd = max(steps.get(worker, 0), applied)
         steps[worker] = rnd + 1
-        rounds = self.pending.setdefault(key, {})
-        if rnd in rounds:
-            rounds[rnd].total += grad
-        else:
-            # A copy: ``grad`` may be the store's small-push tensor, refilled by the
-            # next push (ParameterStore.small_grad).
-            rounds[rnd] = _Round(grad.clone())
-        rounds[rnd].contributors.add(worker)
+        self.pending.setdefault(key, {}).setdefault(rnd, _Round()).add(
+            worker, grad, summed=True, skip=skip
+        )
         return self.complete_rounds(key)
 
     def _push_step(
         self, worker: int, key: str, grad: torch.Tensor, step: int, skip: bool
     ) -> list[torch.Tensor] | None:
-        """A tagged sync push: it joins the round of ``step``."""
+        """A tagged push: it joins the round of ``step``."""
         if step <= self.applied_step.setdefault(key, -1):
             return None  # that step of the key is applied: a redo keeps the first update
-        rounds = self.pending.setdefault(key, {})
-        rnd = rounds.get(step)
-        if rnd is not None and worker in rnd.contributors:
+        rnd = self.pending.setdefault(key, {}).setdefault(step, _Round())
+        if worker in rnd.contributors:
             return None  # one push per worker and step
-        if skip:
-            grad = torch.zeros_like(grad)
-        if rnd is None:
-            rounds[step] = _Round(grad.clone())  # a copy, as in push
-        else:
-            rnd.total += grad
-        rounds[step].contributors.add(worker)
+        rnd.add(worker, grad, summed=self.mode == "sync", skip=skip)
         steps = self.steps[key]
         steps[worker] = steps.get(worker, 0) + 1
         return self.complete_rounds(key)
@@ -208,7 +229,7 @@ class Consistency:
             step = min(rounds)
             if not members <= rounds[step].contributors:
                 break
-            out.append(rounds.pop(step).total)
+            out += rounds.pop(step).updates()
             self.applied_step[key] = step
             self.rounds_applied[key] = self.rounds_applied.get(key, 0) + 1
         return out
@@ -229,23 +250,23 @@ class Consistency:
         now = time.monotonic()
         for w in live:
             self.last_seen[w] = now
-        if self.mode == "sync":
-            for key, rounds in self.pending.items():
-                rounds.clear()
-                steps = self.steps.get(key, {})
-                for w in live:  # their pushes of the dropped rounds no longer count
-                    steps[w] = min(steps.get(w, 0), self.rounds_applied.get(key, 0))
+        for key, rounds in self.pending.items():  # sync rounds and tagged ones
+            rounds.clear()
+            steps = self.steps.get(key, {})
+            for w in steps:  # their pushes of the dropped rounds no longer count
+                steps[w] = min(steps[w], self.rounds_applied.get(key, 0))
         log.info(
             "membership %d: workers %s (left: %s)", generation, sorted(live), sorted(self.left)
         )
         return True
 
     def complete_rounds(self, key: str) -> list[torch.Tensor]:
-        """Sync mode: the sums of the rounds of ``key`` that are now complete."""
-        if self.mode != "sync":
-            return []
+        """What the rounds of ``key`` that are now complete apply, in order (sync
+        rounds, and tagged ones in every mode)."""
         if key in self.applied_step:
             return self._complete_steps(key)
+        if self.mode != "sync":
+            return []
         out: list[torch.Tensor] = []
         rounds = self.pending.get(key, {})
         missing = max(0, self.workers - len(self.registered))
@@ -254,7 +275,7 @@ class Consistency:
             rnd = rounds.get(applied)
             if rnd is None or missing or not self.live <= rnd.contributors:
                 return out
-            out.append(rounds.pop(applied).total)
+            out += rounds.pop(applied).updates()
             self.rounds_applied[key] = applied + 1
 
     def pull_ready(self, worker: int, key: str) -> bool:
@@ -326,7 +347,7 @@ class Consistency:
             "left": sorted(self.left),
             "applied_step": dict(self.applied_step),
             "pending": {
-                k: {r: (p.total, sorted(p.contributors)) for r, p in rounds.items()}
+                k: {r: (p.total, sorted(p.contributors), p.parts) for r, p in rounds.items()}
                 for k, rounds in self.pending.items()
             },
         }
@@ -344,8 +365,11 @@ class Consistency:
         self.last_seen = dict.fromkeys(self.live, now)
         self.steps = {k: dict(v) for k, v in state["steps"].items()}
         self.rounds_applied = dict(state["rounds_applied"])
-        self.pending = {
-            k: {int(r): _Round(t, set(c)) for r, (t, c) in rounds.items()}
+        self.pending = {  # a round of an older checkpoint: (total, contributors)
+            k: {
+                int(r): _Round(p[0], set(p[1]), dict(p[2] if len(p) > 2 else {}))
+                for r, p in rounds.items()
+            }
             for k, rounds in state["pending"].items()
         }
 

@@ -85,7 +85,8 @@ Other decisions:
   death leaves the servers and the other workers running: ``ps-sync``
   commits a step on every survivor or on none and ends at the fault-free
   run's parameters; under ``ps-async``/``ps-ssp`` the survivors train the
-  dead worker's share again (no sample lost). See :mod:`.surviving`.
+  dead worker's share again, and each key applies every sample's gradient
+  once (no sample lost, none applied twice). See :mod:`.surviving`.
 - After torchrun restarted the workers (``gradhub run --max-restarts N``),
   the servers, which kept running, keep their values, and under ``ps-sync``
   and ``ps-ssp`` every worker first catches up with the highest step any

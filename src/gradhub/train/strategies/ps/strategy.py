@@ -286,7 +286,7 @@ class _PSStrategy(Strategy):
         round's sum on the servers is that gradient, bit for bit. A key whose
         ``.grad`` is None (no worker used it, agreed in backward) is not pushed."""
         rt = self.runtime
-        tag = (rt.committed_steps, rt.generation) if rt.survive else None  # see .surviving
+        tag = self._tag()
         pushes = []
         for i, key in enumerate(self._keys):
             g = key.param.grad
@@ -302,23 +302,34 @@ class _PSStrategy(Strategy):
     def _push_own(self) -> list[Future[None]]:
         """ps-async/ps-ssp: this worker's gradient times its share. A parameter this
         worker did not use (``.grad`` None) is not moved by its update: nothing is
-        pushed (async), or a skip push that moves this worker's clock (ssp)."""
+        pushed (async), or a skip push that moves this worker's clock (ssp; and
+        async in a surviving job, where a step of a key waits for every worker's
+        push: see :mod:`.surviving`)."""
         scale = self._scale()
+        tag = self._tag()
         pushes = []
         for i, key in enumerate(self._keys):
             g = key.param.grad
             hyper = self._hyper.for_push(i)
             if g is not None:
                 grad = g.detach() * scale
-                pushes.append(self._client.push(key.wire, grad, priority=-i, hyperparameters=hyper))
-            elif self.mode == "ssp":
+                pushes.append(
+                    self._client.push(key.wire, grad, priority=-i, hyperparameters=hyper, step=tag)
+                )
+            elif self.mode == "ssp" or tag is not None:
                 zeros = torch.zeros_like(key.param)
                 pushes.append(
                     self._client.push(
-                        key.wire, zeros, priority=-i, hyperparameters=hyper, skip=True
+                        key.wire, zeros, priority=-i, hyperparameters=hyper, skip=True, step=tag
                     )
                 )
         return pushes
+
+    def _tag(self) -> tuple[int, int] | None:
+        """A surviving job's tag of this step's pushes: the job's step (its committed
+        steps) and membership generation (see :mod:`.surviving`)."""
+        rt = self.runtime
+        return (rt.committed_steps, rt.generation) if rt.survive else None
 
     def _scale(self) -> float:
         scale, by_count = self._weights()
@@ -330,9 +341,12 @@ class _PSStrategy(Strategy):
     def _skip(self) -> None:
         if self.mode == "sync":  # every worker skips: nothing to push, nothing changed
             return
-        if self.mode == "ssp":
+        tag = self._tag()  # a surviving job's step of a key waits for every worker's push
+        if self.mode == "ssp" or tag is not None:
             pushes = [
-                self._client.push(key.wire, torch.zeros_like(key.param), priority=-i, skip=True)
+                self._client.push(
+                    key.wire, torch.zeros_like(key.param), priority=-i, skip=True, step=tag
+                )
                 for i, key in enumerate(self._keys)
             ]
             self._settle(pushes)

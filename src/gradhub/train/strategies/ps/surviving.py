@@ -32,11 +32,23 @@ members' ids (the ranks of generation 0), which a regroup does not change.
 ``ps-async`` / ``ps-ssp``: each worker pushes its own share of the global
 batch; under survival a step commits once every worker's pushes were
 accepted (one small all-reduce after them), so a death is seen in the step
-it happens in. A failed step is trained again over the survivors: no sample
-is lost, and a share that reached the servers before the death is applied
-twice (an asynchronous update like any other). The servers drop the dead
-worker from ssp's staleness bound when told the new membership, so no pull
-waits for it.
+it happens in. Every sample's gradient reaches each key once:
+
+- The pushes are tagged as ``ps-sync``'s, and every worker pushes every key
+  at every step (a parameter it did not use, or a step its loss scaler
+  skipped: a skip push, which applies nothing). A server holds a key's
+  pushes of a step until every member's arrived, then applies each on its
+  own, in the order of the worker ids (an asynchronous update per push, as
+  without survival; the workers wait for each other at every step anyway).
+- A worker that dies between two pushes of a step leaves the keys it pushed
+  complete (applied once the survivors' pushes arrive: the whole global
+  batch, split over the old membership) and the others waiting for it. The
+  new membership drops the steps not applied; the survivors train the same
+  global batch again, split over themselves: the keys whose step was
+  applied ignore the redo's pushes, the others apply them. No share is
+  applied twice, none is lost.
+- The servers drop the dead worker from ssp's staleness bound when told the
+  new membership, so no pull waits for it.
 """
 
 from __future__ import annotations
