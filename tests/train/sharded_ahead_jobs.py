@@ -35,7 +35,7 @@ PLAN = [
     "plain",
     "no step",  # a backward whose step is skipped
     "plain",
-    "load",  # the optimizer's own state loaded between backward and step
+    "load",  # the optimizer's own state (read before the backward) loaded before the step
     "plain",
     "plain",
     "plain",
@@ -84,6 +84,8 @@ def _run(rank: int, name: str, ahead: bool, unused: bool) -> tuple[list[Any], in
     record = []
     for what in PLAN:
         x, y = torch.randn(5, 6, generator=g), torch.randint(0, 3, (5,), generator=g)
+        # Read before the backward: between backward and step it is refused.
+        saved = opt.state_dict() if what == "load" else None
         opt.zero_grad(set_to_none=True)
         F.cross_entropy(model(x, extra=rank == 0), y).backward()
         if what == "no step":
@@ -94,7 +96,7 @@ def _run(rank: int, name: str, ahead: bool, unused: bool) -> tuple[list[Any], in
             for group in opt.param_groups:
                 group["lr"] *= 0.5
         elif what == "load":
-            opt.load_state_dict(opt.state_dict())
+            opt.load_state_dict(saved)
         opt.step()
         scheduler.step()
         params = [p.detach().clone() for p in net.parameters()]

@@ -20,7 +20,7 @@ from torch import nn
 
 import gradhub
 from gradhub.collective.sharded_optimizer import ELEMENTWISE
-from gradhub.errors import CollectiveTimeoutError
+from gradhub.errors import CollectiveTimeoutError, MisuseError
 from gradhub.train.strategies.sharded_state import ShardResponder
 
 STEPS = 4  # steps of the main run; the rank-0-alone state dict is taken after 2
@@ -139,6 +139,7 @@ def job(rank: int, world: int, start: bytes) -> dict[str, Any]:
         out["resume"] = _resume(rank, runtime, start)
         out["another strategy"] = _other_strategy(rank, runtime, out["torch clip"]["final state"])
         out["responder"] = _responder(rank, runtime)
+        out["between"] = _between(rank, runtime)
         return out
 
 
@@ -328,4 +329,25 @@ def _responder(rank: int, runtime: Any) -> dict[str, Any]:
                 r.request("optimizer.state_dict()")
             except CollectiveTimeoutError as exc:
                 out["timeout"] = (list(exc.missing_ranks), str(exc))
+    return out
+
+
+def _between(rank: int, runtime: Any) -> dict[str, Any]:
+    """``optimizer.state_dict()`` between a backward and its step: refused, and the
+    step and a read after it go on as if it had not been called."""
+    base = Net()
+    model, opt = gradhub.prepare(base, adamw(base), strategy="sharded", runtime=runtime)
+    out: dict[str, Any] = {}
+    with model:
+        for step in range(2):
+            opt.zero_grad()
+            local_loss(model, step, rank).backward()
+            if step == 1:
+                try:
+                    opt.state_dict()
+                except MisuseError as exc:
+                    out["refused"] = str(exc)
+            opt.step()
+        out["after"] = to_bytes(opt.state_dict())
+        out["params"] = params(base)
     return out

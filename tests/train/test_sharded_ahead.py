@@ -30,12 +30,6 @@ def test_the_update_taken_during_the_backward_gives_the_same_bits(name: str) -> 
 
 
 @pytest.mark.slow
-@pytest.mark.skip(
-    reason="flaky: with a parameter no rank uses (AdamW), two runs of the same script "
-    "record different bits from about step 11 in 1 of 4 tries even with step_ahead off "
-    "in both; the cause (sharded's unused-parameter path, or the recorded "
-    "optimizer.state_dict() read through the other rank's responder) is not found yet"
-)
 def test_a_parameter_no_rank_used_keeps_the_update_at_the_step() -> None:
     results = run_ranks(same_bits_either_way, 2, "AdamW", True, timeout=180)
     for r in results:

@@ -9,6 +9,9 @@ update in float32 rounding: 1e-6 on parameters of order 1 over 4 steps.
 
 from __future__ import annotations
 
+import functools
+import threading
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -18,7 +21,8 @@ from torch import nn
 
 import gradhub
 from gradhub.collective.sharded_optimizer import ELEMENTWISE
-from gradhub.errors import UnsupportedByStrategyError
+from gradhub.errors import StateError, UnsupportedByStrategyError
+from gradhub.train.strategies import sharded_state
 from harness import run_ranks
 from sharded_conformance_jobs import (
     STEPS,
@@ -185,6 +189,39 @@ def test_state_responder_chunks_and_names_a_rank_that_does_not_answer(
     missing, message = out["timeout"]
     assert missing == [1]
     assert "optimizer.state_dict() on rank 0 timed out after 2s waiting for rank(s) 1" in message
+
+
+@pytest.mark.slow
+def test_state_dict_between_backward_and_step_is_refused_and_changes_nothing(
+    results: list[dict[str, Any]],
+) -> None:
+    for r in results:
+        assert "between backward() and step() under strategy 'sharded'" in r["between"]["refused"]
+    first, second = (from_bytes(r["between"]["after"])["state"] for r in results)
+    assert first.keys() == second.keys() and 0 in first
+    for k, state in first.items():
+        for key, value in state.items():
+            assert torch.equal(value, second[k][key]), (k, key)
+    assert float(first[0]["step"]) == 2.0
+    _close(results[0]["between"]["params"], results[1]["between"]["params"], atol=0.0)
+
+
+def test_a_slice_answered_after_another_step_is_an_error_not_a_mixed_state() -> None:
+    """The requester's check of the step counts, with rank 1's answer made up."""
+    slice_opt = SimpleNamespace(
+        lock=threading.Lock(), steps=3, pieces=[], optimizer=SimpleNamespace(state={})
+    )
+    answers = {3: sharded_state.to_bytes(3, []), 4: sharded_state.to_bytes(4, [])}
+    for steps, answer in answers.items():
+        responder = SimpleNamespace(rank=0, request=lambda what, a=answer: {1: a})
+        call = functools.partial(
+            sharded_state.every_rank_pieces, slice_opt, responder, between=False
+        )
+        if steps == 3:
+            assert call() == []
+        else:
+            with pytest.raises(StateError, match="rank 1's slice is after 4 step"):
+                call()
 
 
 class _MySGD(torch.optim.SGD):

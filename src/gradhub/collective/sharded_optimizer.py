@@ -147,6 +147,8 @@ class ShardedOptimizer:
         self.parameter = parameter
         self.lock = threading.Lock()
         """Held while the optimizer steps or loads state."""
+        self.steps = 0
+        """Steps the slice took, counted under :attr:`lock` with the state they made."""
         start, length = parameter.local_partition_range
         weights = parameter.weight_partition
         sizes = list(group_sizes) if group_sizes is not None else [parameter.size]
@@ -228,6 +230,7 @@ class ShardedOptimizer:
         try:
             with self.lock:
                 self.optimizer.step()
+                self.steps += 1
         finally:
             for view in stepped:
                 view.grad = None

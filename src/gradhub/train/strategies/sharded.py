@@ -88,6 +88,9 @@ Decisions:
   timeout. A rank that is done (``close``, or the end of a script that
   never closes its model) answers on until every rank is done, bounded by
   the timeout, so rank 0's checkpoint after the last step gets every piece.
+  Between a backward and its step it is refused (:class:`~gradhub.errors.MisuseError`):
+  the other ranks may have stepped their slices; each answer carries its
+  slice's step count, and counts that differ are an error, never a mixed state.
   ``load_state_dict`` (any time) and ``model.load_state_dict`` (after
   ``prepare``) take a plain optimizer's or model's state, of a job of any
   world size or strategy; each rank keeps its part, no communication.
@@ -120,11 +123,11 @@ from gradhub.train.strategies.sharded_state import (
     ShardResponder,
     assemble,
     check_groups,
-    from_bytes,
+    every_rank_pieces,
     load_pieces,
     per_parameter,
-    pieces_state,
     plain_state_dict,
+    stepped_pieces,
     to_bytes,
 )
 from gradhub.train.strategies.sharded_survival import ShardedSurvival
@@ -301,7 +304,7 @@ class ShardedStrategy(ShardedSurvival, Strategy):
 
     def _serialised_pieces(self) -> bytes:
         assert self._opt is not None
-        return to_bytes(pieces_state(self._opt, to_cpu=True))
+        return to_bytes(*stepped_pieces(self._opt, to_cpu=True))
 
     # one synchronising backward ------------------------------------------------------
 
@@ -398,11 +401,7 @@ class ShardedStrategy(ShardedSurvival, Strategy):
     def optimizer_state_dict(self) -> dict[str, Any]:
         """The whole state in the plain optimizer's format; on one rank alone too."""
         assert self._opt is not None and self.optimizer is not None
-        pieces = pieces_state(self._opt, to_cpu=False)
-        if self._responder is not None:
-            others = self._responder.request("optimizer.state_dict()")
-            for _, payload in sorted(others.items()):
-                pieces.extend(from_bytes(payload))
+        pieces = every_rank_pieces(self._opt, self._responder, between=self._synced)
         whole = assemble(pieces, [p.shape for p in self.params], self._flat.device)
         state = {self._index[j]: s for j, s in whole.items()}
         return plain_state_dict(state, self.optimizer.param_groups)

@@ -179,6 +179,7 @@ class StepAhead:
         if valid:  # before the agreement: a peer past it reads this step's state here
             with self._opt.lock:
                 self._swap(self._aside)
+                self._opt.steps += 1
         self._flag_host[0] = 0.0 if valid else 1.0
         all_reduce(self._flag, group=self._group).wait()
         if self._flag_host[0] == 0:
@@ -188,6 +189,7 @@ class StepAhead:
         if valid:  # another rank may not keep it: back to the step before
             with self._opt.lock:
                 self._swap(self._states)
+                self._opt.steps -= 1
         self._backoff = min(max(1, 2 * self._backoff), _LONGEST_PAUSE)
         self._pause = self._backoff
         return False

@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from gradhub.collective.sharded_optimizer import ShardedOptimizer
-from gradhub.errors import InvalidOptionError, StateError
+from gradhub.errors import InvalidOptionError, MisuseError, StateError
 from gradhub.transports.c10d_errors import RESTART, is_timeout, translate
 from gradhub.transports.stores import store_name
 
@@ -70,19 +70,57 @@ _IDLE = timedelta(hours=1)  # a responder's wait; it loops on, close() wakes it
 
 def pieces_state(opt: ShardedOptimizer, *, to_cpu: bool) -> list[PieceState]:
     """This rank's pieces of the state (copies), read under the optimizer's lock."""
-    out: list[PieceState] = []
     with opt.lock:
-        for piece in opt.pieces:
-            state = opt.optimizer.state.get(piece.view)
-            if state:
-                copied = {
-                    k: (v.detach().to("cpu" if to_cpu else v.device, copy=True))
-                    if isinstance(v, torch.Tensor)
-                    else v
-                    for k, v in state.items()
-                }
-                out.append((piece.index, piece.offset, copied))
+        return _copied(opt, to_cpu)
+
+
+def stepped_pieces(opt: ShardedOptimizer, *, to_cpu: bool) -> tuple[int, list[PieceState]]:
+    """:func:`pieces_state` with the number of steps that made it, read together."""
+    with opt.lock:
+        return opt.steps, _copied(opt, to_cpu)
+
+
+def _copied(opt: ShardedOptimizer, to_cpu: bool) -> list[PieceState]:
+    out: list[PieceState] = []
+    for piece in opt.pieces:
+        state = opt.optimizer.state.get(piece.view)
+        if state:
+            copied = {
+                k: (v.detach().to("cpu" if to_cpu else v.device, copy=True))
+                if isinstance(v, torch.Tensor)
+                else v
+                for k, v in state.items()
+            }
+            out.append((piece.index, piece.offset, copied))
     return out
+
+
+def every_rank_pieces(
+    opt: ShardedOptimizer, responder: ShardResponder | None, *, between: bool
+) -> list[PieceState]:
+    """Every rank's pieces of the state after the same step: this rank's read here,
+    the others' through ``responder``. ``between``: called between a synchronising
+    backward and its step, where other ranks may have stepped their slices already."""
+    if responder is None:
+        return pieces_state(opt, to_cpu=False)
+    me = responder.rank
+    if between:
+        raise MisuseError(
+            f"[rank {me}] optimizer.state_dict() between backward() and step() under strategy "
+            "'sharded': the other ranks may have stepped their slices already, so the state "
+            "would mix two steps\n- help: read it after step() (as a checkpoint does) or "
+            "before the backward"
+        )
+    steps, pieces = stepped_pieces(opt, to_cpu=False)
+    for r, payload in sorted(responder.request("optimizer.state_dict()").items()):
+        theirs, more = from_bytes(payload)
+        if theirs != steps:
+            raise StateError(
+                f"[rank {me}] optimizer.state_dict(): rank {r}'s slice is after {theirs} "
+                f"step(s), this rank's after {steps}; the state would mix two steps"
+            )
+        pieces.extend(more)
+    return pieces
 
 
 def assemble(
@@ -173,14 +211,15 @@ def per_parameter(
     }
 
 
-def to_bytes(pieces: list[PieceState]) -> bytes:
+def to_bytes(steps: int, pieces: list[PieceState]) -> bytes:
+    """A responder's answer: its pieces and the steps that made them."""
     buffer = io.BytesIO()
-    torch.save(pieces, buffer)
+    torch.save((steps, pieces), buffer)
     return buffer.getvalue()
 
 
-def from_bytes(data: bytes) -> list[PieceState]:
-    loaded: list[PieceState] = torch.load(io.BytesIO(data), weights_only=True)
+def from_bytes(data: bytes) -> tuple[int, list[PieceState]]:
+    loaded: tuple[int, list[PieceState]] = torch.load(io.BytesIO(data), weights_only=True)
     return loaded
 
 
