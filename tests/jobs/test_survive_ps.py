@@ -161,13 +161,13 @@ def check_applied_once(m: dict[str, Any]) -> None:
     second push: every key applied each step once, with one push per worker
     of the step's membership, and the server made no other update."""
     steps, applied = m["steps"], m["rounds_applied"]
-    assert sorted(steps) == sorted(applied) == sorted(m["params"]) and len(steps) == KEYS
+    assert sorted(steps) == sorted(m["params"]) and len(steps) == KEYS
     for key, by_worker in steps.items():
-        assert applied[key] == STEPS, f"{key}: {applied[key]} steps applied"
         first = 8 if key == "0.weight" else 7  # 0.weight: step 7 of the old membership?
         assert by_worker in (
             {"0": STEPS, "1": STEPS, "2": STEPS, "3": 7},
             {"0": STEPS, "1": STEPS, "2": STEPS, "3": first},
         ), f"{key}: pushes applied per worker {by_worker}"
+        assert applied.get(key) == STEPS, f"{key}: {applied.get(key)} steps applied"
     counted = sum(n for by_worker in steps.values() for n in by_worker.values())
     assert m["pushes"]["updates"] == counted, m["pushes"]
