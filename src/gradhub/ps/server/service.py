@@ -28,7 +28,7 @@ Decisions:
   :mod:`gradhub.ps.server.waits`); a sync or ssp pull that waits too long is answered
   with an error naming the workers it waits for.
 - A push holding NaN or infinity is refused (``NonFiniteError``), nothing changed.
-- A surviving job's sync push (meta ``step`` and ``generation``) that the
+- A surviving job's push (meta ``step`` and ``generation``, any mode) that the
   accounting ignores (its step is applied on the key, or it was made before
   the last membership) is acknowledged and counted as ``push_superseded``,
   never applied (:mod:`gradhub.ps.server.consistency`).
@@ -316,7 +316,7 @@ class Service:
         # gradient, checked, an update that is one add_ or copy_, no log to sync
         # first. The update runs while the answer travels, before any later request.
         early = small and not self.persist.durable and self.store.plain_update(msg.key)
-        early = early and "step" not in meta  # a surviving job's sync push may be ignored
+        early = early and "step" not in meta  # a surviving job's push may be held or ignored
         if early:
             self._accepted(msg, skip)
         self.consistency.seen(h.worker_id, pushing=True)  # valid: a member from now on
