@@ -13,7 +13,9 @@ features, 4 classes), SGD with momentum (or AdamW), global batches of 32:
   ``sharded``: its slice stepped, before the updated slices are all-gathered);
 - ``checkpoint``: half way through writing its checkpoint file of the step
   (with ``--checkpoint-every``; ``STEP`` counts the steps committed);
-- ``start``: before it joins the job (``STEP`` is ignored).
+- ``start``: before it joins the job (``STEP`` is ignored);
+- ``rendezvous``: in the first regroup, once every member arrived, inside the
+  new process group's own rendezvous (``STEP`` is ignored).
 
 ``--hold STEP`` (with ``gradhub run --max-restarts``): from that step on, while
 the job is short of workers, ``fit``'s ``on_step`` waits until the replacement
@@ -45,6 +47,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data import DataLoader, TensorDataset
 
 import gradhub
+from gradhub.runtime import membership
 
 SAMPLES, FEATURES, CLASSES, BATCH = 512, 20, 4, 32
 
@@ -117,6 +120,15 @@ def main() -> None:
     plan = kills(args.kill, member)
     if "start" in plan.values():
         die(args.out, member)
+    if "rendezvous" in plan.values():
+        arrive = membership.arrive
+
+        def arrive_then_die(ms: membership.Membership, record: membership.Generation) -> None:
+            arrive(ms, record)
+            if record.number >= 1:
+                die(args.out, member)
+
+        membership.arrive = arrive_then_die
     with gradhub.init(timeout=60) as runtime:
 
         def in_backward(_: torch.Tensor) -> None:

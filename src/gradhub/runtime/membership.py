@@ -62,6 +62,7 @@ import torch.distributed as dist
 from gradhub.errors import (
     LaunchEnvironmentError,
     MembershipChangedError,
+    RendezvousError,
     TooFewWorkersError,
     WorkerFailedError,
 )
@@ -322,7 +323,31 @@ def rebuild(
     arrive(membership, record)
     store = dist.PrefixStore(group_prefix(record.number), membership.store)
     rank = record.members.index(membership.member)
-    return _start(store, rank, len(record.members), backend, timeout, rank, transport)
+    size, bound = len(record.members), min(timeout, RENDEZVOUS)
+    try:
+        return _start(store, rank, size, backend, timeout, rank, transport, rendezvous=bound)
+    except RendezvousError:
+        # Every member had arrived: a member that died since is the likely cause.
+        newer = members_key(record.number + 1)
+        deadline = time.monotonic() + SUPERSEDED_WAIT
+        while time.monotonic() < deadline:
+            if membership.store.check([newer]):
+                raise MembershipChangedError(
+                    f"generation {record.number + 1} came during {record.number}'s rendezvous"
+                ) from None
+            time.sleep(ARRIVAL_POLL)
+        raise
+
+
+RENDEZVOUS = 10.0
+"""Seconds the process group's own rendezvous of a generation may take. Every
+member has arrived first (:func:`arrive`), so a longer one is a member that
+died in it, whose death brings the next generation: not a wait for the
+operation timeout."""
+
+SUPERSEDED_WAIT = 5.0
+"""Seconds a rendezvous that ran out of time waits for the next generation
+before its error stands."""
 
 
 ARRIVAL_POLL = 0.02

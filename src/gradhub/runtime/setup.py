@@ -139,21 +139,27 @@ def _start(
     timeout: float,
     local_rank: int,
     transport: str | None = None,
+    rendezvous: float | None = None,
 ) -> CollectiveGroup:
+    """The default process group; ``rendezvous``: seconds its set-up may take
+    (default: ``timeout``, which then bounds each of its operations)."""
     if "nccl" in backend:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    limit = timeout if rendezvous is None else rendezvous
     try:
         dist.init_process_group(
             backend,
             store=store,
             rank=rank,
             world_size=world_size,
-            timeout=timedelta(seconds=timeout),
+            timeout=timedelta(seconds=limit),
         )
     except RuntimeError as exc:  # a peer that never connected (DistError)
-        raise _joined(f"a {backend} process group of {world_size}", rank, timeout, exc) from exc
+        raise _joined(f"a {backend} process group of {world_size}", rank, limit, exc) from exc
     pg = dist.group.WORLD
     assert pg is not None
+    if limit != timeout:
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout), pg)
     group = CollectiveGroup(
         pg, store=store, timeout=timeout, owns_process_group=True, transport=transport
     )
