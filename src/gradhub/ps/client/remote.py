@@ -147,8 +147,8 @@ class RemoteParameterServer(ParameterServer):
         sends a *skip push* (a loss scaler skipped this step): the server
         counts it as this worker's step on the key (ssp staleness; a sync
         round, as a zero contribution) and applies nothing; send zeros.
-        ``step``: a surviving job's (step, membership generation) of a sync
-        push: the server applies each step of a key once (see
+        ``step``: a surviving job's (step, membership generation) of the push,
+        in any mode: the server applies each step of a key once (see
         :meth:`set_members`).
         """
         self._check_open()
