@@ -17,7 +17,9 @@ servers), global batches of 32: 16 steps an epoch. ``--strategy`` picks
   the pulls: every round of the step is complete on the servers.
 
 ``--loop``: the user's own loop with :class:`gradhub.GlobalBatchSampler`
-instead of ``fit``; each worker then appends the sample indices of every
+instead of ``fit`` (``--skip MEMBER:STEP``: with a :class:`gradhub.GradScaler`,
+whose gradients overflow on worker ``MEMBER`` alone in step ``STEP``, which
+that worker then skips); each worker then appends the sample indices of every
 step it committed to ``trained-<member>.jsonl`` (written as it goes, so a
 dead worker's committed steps are there too).
 
@@ -90,6 +92,7 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--kill", action="append", default=[])
     p.add_argument("--loop", action="store_true")
+    p.add_argument("--skip", default=None, help="MEMBER:STEP (with --loop)")
     args = p.parse_args()
     pid = os.getpid()
     member = int(os.environ.get("GRADHUB_MEMBER", "0"))
@@ -163,6 +166,8 @@ def own_loop(
     loader = DataLoader(dataset, batch_sampler=sampler)
     args.out.mkdir(parents=True, exist_ok=True)
     iterations = 0
+    scaler = gradhub.GradScaler(opt) if args.skip else None
+    who, when = map(int, args.skip.split(":")) if args.skip else (-1, -1)
     with (args.out / f"trained-{member}.jsonl").open("a") as record:
         for epoch in range(args.epochs):
             sampler.set_epoch(epoch)
@@ -171,8 +176,15 @@ def own_loop(
                 before = runtime.committed_steps
                 opt.zero_grad()
                 loss = torch.nn.functional.cross_entropy(ddp_model(inputs), targets)
-                loss.backward()
-                opt.step()
+                if scaler is None:
+                    loss.backward()
+                    opt.step()
+                else:
+                    if member == who and before == when:
+                        loss = loss * float("inf")  # this worker's gradients overflow
+                    scaler.scale(loss).backward()
+                    scaler.step(opt)
+                    scaler.update()
                 if runtime.committed_steps > before:
                     entry = {"epoch": epoch, "step": before, "samples": index.tolist()}
                     record.write(json.dumps(entry) + "\n")

@@ -156,6 +156,21 @@ def test_ps_async_survivors_take_over_the_dead_workers_share(tmp_path: Path, mod
         check_applied_once(m)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_ps_async_a_step_one_worker_skips_keeps_the_workers_in_step(tmp_path: Path) -> None:
+    """Worker 1's gradients overflow in step 3 (a GradScaler; ps-async decides per
+    worker): it skips that step alone, and its skip still ends the step with the
+    others, so the job's collectives stay paired and every worker ends at the
+    same committed steps with the servers' values."""
+    out = tmp_path / "job"
+    code = run_job(out, "async", "--loop", "--skip", "1:3")
+    assert code == 0, (tmp_path / "job.log").read_text()
+    found = check_survivors(out, [0, 1, 2, 3])
+    for m in found.values():
+        assert all(torch.isfinite(v).all() for v in m["params"].values())
+
+
 def check_applied_once(m: dict[str, Any]) -> None:
     """The server's accounting after member 3 died in step 7 between its first and
     second push: every key applied each step once, with one push per worker
