@@ -28,7 +28,7 @@ from gradhub.train.strategies.ps.servers import (
 )
 from gradhub.train.strategies.ps.state import fetch as fetch_state
 from gradhub.train.strategies.ps.state import load_hyperparameters, local_state, per_key
-from gradhub.train.strategies.ps.surviving import settle, share_buffers
+from gradhub.train.strategies.ps.surviving import settle
 from gradhub.train.strategies.step_flags import StepFlags
 
 if TYPE_CHECKING:
@@ -96,16 +96,12 @@ class _PSStrategy(Strategy):
                 init_keys(self._client, self._keys, self._spec, local)
                 return generation
 
-            if rt.joined is not None:  # a replacement: the keys are there, in use
-                self._set_generation(latest_generation(reports, self._keys))
-                self._tell_members(rt.joined)  # with the survivors' own telling
-            else:
-                self._set_generation(
-                    on_rank0(rt, init, "initialise the parameters on the servers", self.name)
-                )
+            self._set_generation(
+                on_rank0(rt, init, "initialise the parameters on the servers", self.name)
+            )
             if optimizer is not None:
                 optimizer.state.clear()  # it lives on the servers from now on
-            if rt.restart and rt.joined is None and self.mode != "async":
+            if rt.restart and self.mode != "async":
                 self._align_steps()
         except Exception:
             self._client.close(timeout=0)
@@ -184,8 +180,7 @@ class _PSStrategy(Strategy):
         used_here = self._used  # accumulated since the last sync, no_sync steps included
         flags = self._flags
         assert flags is not None
-        used_now = [id(k.param) in used_here for k in self._keys]
-        flags.write(used_now, weight if by_count else 0, self._joining())
+        flags.write([id(k.param) in used_here for k in self._keys], weight if by_count else 0)
         counted = flags.launch()  # host memory: nothing read back from a device
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, key in enumerate(self._keys):
@@ -216,7 +211,6 @@ class _PSStrategy(Strategy):
                 combined[i] = flat[offset : offset + n]
                 offset += n
         used, summed = flags.read(None if counted is None else counted.wait)
-        self._regroup_after = self.runtime.survive and flags.regroup()
         total = summed if by_count else 1.0
         for i, key in enumerate(self._keys):
             p = key.param
@@ -240,9 +234,7 @@ class _PSStrategy(Strategy):
             self._pull_staged()  # the parameters change once every key came back
         else:  # every worker's pushes accepted: the step commits (see .surviving); on
             # the job's transport, which sees a peer that died before it entered
-            joining = torch.tensor([float(self._joining())])
-            all_reduce(joining, group=self.runtime.group).wait()
-            self._regroup_after = joining.item() > 0  # a replacement: regroup after it
+            all_reduce(torch.zeros(1), group=self.runtime.group).wait()
             self.refresh()
 
     def _pull_staged(self) -> None:
@@ -268,27 +260,14 @@ class _PSStrategy(Strategy):
         values its failed step started from: the redo's gradient is taken there."""
         self._rebind()
         self._staging = []  # a late answer to the failed step's pulls lands in the old ones
-        self._tell_members(done)
-        share_buffers(self.runtime, self.model, done)
-        if self.mode != "sync" or self.runtime.rank in done.behind:
-            self.refresh()
-
-    def _tell_members(self, done: Regrouped) -> None:
-        """The new rank 0 tells the servers the membership ``done`` (every rank
-        waits for it: a replacement's worker id counts from its first push)."""
 
         def tell() -> int:
             self._client.set_members(done.members, done.generation)
             return 0
 
         on_rank0(self.runtime, tell, "tell the servers the new membership", self.name)
-
-    def _set_up_joined(self) -> None:
-        """A replacement took the servers' values in ``_setup``; the buffers (a
-        broadcast its peers' :meth:`_regrouped` make too) come from the survivors."""
-        done, self.runtime.joined = self.runtime.joined, None
-        if done is not None:
-            share_buffers(self.runtime, self.model, done)
+        if self.mode != "sync" or self.runtime.rank in done.behind:
+            self.refresh()
 
     def _apply_unsynced(self) -> None:
         """``step`` with no backward since the last step: as DDP's optimizer steps
