@@ -158,12 +158,6 @@ class LaunchConfig:
                 f"--min-workers must be in [1, {workers}] (the workers started), "
                 f"got {self.min_workers}"
             )
-        if self.servers > 0 and self.max_restarts > 0:
-            raise InvalidOptionError(
-                "--survive with --servers does not take --max-restarts yet: the survivors "
-                "go on against the servers, but a replacement cannot join them\n- help: "
-                "drop --max-restarts (the job goes on over the survivors)"
-            )
 
 
 def _server_config(template: ServerConfig, workers: int) -> ServerConfig:

@@ -26,7 +26,8 @@ count as live workers at step 0, so an early starter does not run rounds alone.
 
 A surviving job (``gradhub run --survive``) says who its workers are
 (:meth:`Consistency.set_members`, each membership generation after a worker's
-death) and tags its pushes with the job's step and generation, in every mode:
+death or a replacement's arrival) and tags its pushes with the job's step and
+generation, in every mode:
 
 - A tagged push joins the round of its **step** (not of its count of pushes),
   which is applied once every member of the current membership pushed for it;
@@ -47,7 +48,10 @@ death) and tags its pushes with the job's step and generation, in every mode:
   (the survivors push that step again, split over themselves), takes the
   missing workers out of rounds and staleness for good (a late message of a
   dead worker neither rejoins it nor joins a round), and ignores every push
-  tagged with an older generation (one still on its way from before).
+  tagged with an older generation (one still on its way from before). A
+  member new to the job (a replacement, with a worker id of its own) counts
+  from then on: at the steps each key has applied, so its first push joins
+  the next step's round and ssp's staleness does not wait for its past.
 """
 
 from __future__ import annotations
@@ -242,6 +246,7 @@ class Consistency:
             return False
         self.generation = generation
         live = set(members)
+        joining = live - self.registered  # a replacement: at the applied steps
         self.left |= (self.registered | self.live) - live
         self.left -= live
         self.registered |= live
@@ -255,6 +260,8 @@ class Consistency:
             steps = self.steps.get(key, {})
             for w in steps:  # their pushes of the dropped rounds no longer count
                 steps[w] = min(steps[w], self.rounds_applied.get(key, 0))
+        for key, steps in self.steps.items():
+            steps.update(dict.fromkeys(joining, self.rounds_applied.get(key, 0)))
         log.info(
             "membership %d: workers %s (left: %s)", generation, sorted(live), sorted(self.left)
         )

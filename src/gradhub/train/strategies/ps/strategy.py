@@ -28,7 +28,7 @@ from gradhub.train.strategies.ps.servers import (
 )
 from gradhub.train.strategies.ps.state import fetch as fetch_state
 from gradhub.train.strategies.ps.state import load_hyperparameters, local_state, per_key
-from gradhub.train.strategies.ps.surviving import settle
+from gradhub.train.strategies.ps.surviving import settle, share_buffers, tell_members
 from gradhub.train.strategies.step_flags import StepFlags
 
 if TYPE_CHECKING:
@@ -96,12 +96,16 @@ class _PSStrategy(Strategy):
                 init_keys(self._client, self._keys, self._spec, local)
                 return generation
 
-            self._set_generation(
-                on_rank0(rt, init, "initialise the parameters on the servers", self.name)
-            )
+            if rt.joined is not None:  # a replacement: the keys are there, in use
+                self._set_generation(latest_generation(reports, self._keys))
+                tell_members(rt, self._client, rt.joined, self.name)  # as the survivors do
+            else:
+                self._set_generation(
+                    on_rank0(rt, init, "initialise the parameters on the servers", self.name)
+                )
             if optimizer is not None:
                 optimizer.state.clear()  # it lives on the servers from now on
-            if rt.restart and self.mode != "async":
+            if rt.restart and rt.joined is None and self.mode != "async":
                 self._align_steps()
         except Exception:
             self._client.close(timeout=0)
@@ -180,7 +184,8 @@ class _PSStrategy(Strategy):
         used_here = self._used  # accumulated since the last sync, no_sync steps included
         flags = self._flags
         assert flags is not None
-        flags.write([id(k.param) in used_here for k in self._keys], weight if by_count else 0)
+        used_now = [id(k.param) in used_here for k in self._keys]
+        flags.write(used_now, weight if by_count else 0, self._joining())
         counted = flags.launch()  # host memory: nothing read back from a device
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, key in enumerate(self._keys):
@@ -211,6 +216,7 @@ class _PSStrategy(Strategy):
                 combined[i] = flat[offset : offset + n]
                 offset += n
         used, summed = flags.read(None if counted is None else counted.wait)
+        self._regroup_after = self.runtime.survive and flags.regroup()
         total = summed if by_count else 1.0
         for i, key in enumerate(self._keys):
             p = key.param
@@ -232,10 +238,22 @@ class _PSStrategy(Strategy):
             self.refresh()
         elif self.mode == "sync":
             self._pull_staged()  # the parameters change once every key came back
-        else:  # every worker's pushes accepted: the step commits (see .surviving); on
-            # the job's transport, which sees a peer that died before it entered
-            all_reduce(torch.zeros(1), group=self.runtime.group).wait()
+        else:
+            self._end_step()
             self.refresh()
+
+    def _end_step(self) -> None:
+        """A surviving ps-async/ssp step commits once every worker's pushes were
+        accepted (see :mod:`.surviving`): one all-reduce on the job's transport,
+        which sees a peer that died before it entered, of whether a rank saw a
+        replacement ready (every rank then regroups after this step)."""
+        joining = torch.tensor([float(self._joining())])
+        all_reduce(joining, group=self.runtime.group).wait()
+        self._regroup_after = joining.item() > 0
+
+    def _step_done(self) -> None:
+        super()._step_done()
+        self._after_step()  # a step a scaler skipped too: it has no other end
 
     def _pull_staged(self) -> None:
         """A surviving ps-sync step: pull every key aside, then into the parameters."""
@@ -260,14 +278,17 @@ class _PSStrategy(Strategy):
         values its failed step started from: the redo's gradient is taken there."""
         self._rebind()
         self._staging = []  # a late answer to the failed step's pulls lands in the old ones
-
-        def tell() -> int:
-            self._client.set_members(done.members, done.generation)
-            return 0
-
-        on_rank0(self.runtime, tell, "tell the servers the new membership", self.name)
+        tell_members(self.runtime, self._client, done, self.name)
+        share_buffers(self.runtime, self.model, done)
         if self.mode != "sync" or self.runtime.rank in done.behind:
             self.refresh()
+
+    def _set_up_joined(self) -> None:
+        """A replacement took the servers' values in ``_setup``; the buffers (a
+        broadcast its peers' :meth:`_regrouped` make too) come from the survivors."""
+        done, self.runtime.joined = self.runtime.joined, None
+        if done is not None:
+            share_buffers(self.runtime, self.model, done)
 
     def _apply_unsynced(self) -> None:
         """``step`` with no backward since the last step: as DDP's optimizer steps
@@ -347,7 +368,7 @@ class _PSStrategy(Strategy):
             ]
             self._settle(pushes)
         if tag is not None:  # as _apply's step end: a scaler may skip on one worker only
-            all_reduce(torch.zeros(1), group=self.runtime.group).wait()
+            self._end_step()
         self.refresh()
 
     # checkpoints ------------------------------------------------------------------
