@@ -81,14 +81,15 @@ def test_ps_sync_a_replacement_joins_and_takes_the_servers_values(
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # a job of 6 processes on a loaded machine
-def test_ps_ssp_a_replacement_joins_and_its_staleness_counts_from_its_join(
-    tmp_path: Path,
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_ps_async_a_replacement_joins_and_the_servers_count_it_from_its_join(
+    tmp_path: Path, mode: str
 ) -> None:
-    """Under ssp each push is applied on its own: 4 workers' pushes per key in
-    steps 0-4, the 3 survivors' in the steps until the replacement joined, 4
-    again from there; no pull waited for a replacement counted at step 0."""
+    """Under async and ssp each push is applied on its own: 4 workers' pushes per
+    key in steps 0-4, the 3 survivors' in the steps until the replacement joined,
+    4 again from there; no pull waited for a replacement counted at step 0 (ssp)."""
     out = tmp_path / "job"
-    assert run_job(out, "ssp") == 0, (tmp_path / "job.log").read_text()
+    assert run_job(out, mode) == 0, (tmp_path / "job.log").read_text()
     found, start = check_members(out)
     pushes = KILLED * 4 + (start - KILLED) * 3 + (STEPS - start) * 4
     for m in found.values():
