@@ -247,9 +247,9 @@ class _PSStrategy(Strategy):
         accepted (see :mod:`.surviving`): one all-reduce on the job's transport,
         which sees a peer that died before it entered, of whether a rank saw a
         replacement ready (every rank then regroups after this step)."""
-        joining = torch.tensor([float(self._joining())])
+        joining = torch.tensor([float(self._joining())])  # host memory: read there
         all_reduce(joining, group=self.runtime.group).wait()
-        self._regroup_after = joining.item() > 0
+        self._regroup_after = bool(joining.numpy()[0] > 0)
 
     def _step_done(self) -> None:
         super()._step_done()
