@@ -78,7 +78,6 @@ from typing import Any, ClassVar
 import torch
 
 from gradhub.errors import (
-    ClosedError,
     InvalidOptionError,
     MisuseError,
     StateError,
@@ -101,7 +100,12 @@ Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None
 
 
 class Strategy(LossScaling, ForwardSide, Survival, abc.ABC):
-    """One way of keeping data-parallel replicas in step."""
+    """One way of keeping data-parallel replicas in step.
+
+    Each of its parts (:mod:`.part`) lists what it needs of the strategy; this
+    class provides all of it but two methods only some strategies have:
+    ``_shadow_sync`` (where :attr:`supports_join`) and ``_rebind`` (survival).
+    """
 
     name: ClassVar[str]
     """The name users pass as ``strategy=``."""
@@ -119,8 +123,6 @@ class Strategy(LossScaling, ForwardSide, Survival, abc.ABC):
     none of them) are accepted; else one optimizer holds every trainable one."""
 
     def __init__(self) -> None:
-        self._runtime: Runtime | None = None
-        self._closed = False
         self.steps = 0
         """Optimizer steps completed by this process (skipped ones included)."""
         self.skipped_steps = 0
@@ -146,18 +148,6 @@ class Strategy(LossScaling, ForwardSide, Survival, abc.ABC):
         self._stepping = False  # the original optimizer may be stepped (by us)
         self._current = 0  # index of the optimizer being stepped
         self._handles: list[Any] = []
-
-    @property
-    def runtime(self) -> Runtime:
-        if self._closed:
-            raise ClosedError(f"strategy {self.name!r} was closed")
-        if self._runtime is None:
-            raise StateError(f"strategy {self.name!r} is not set up; call setup() first")
-        return self._runtime
-
-    @property
-    def world_size(self) -> int:
-        return self.runtime.world_size
 
     def setup(self, model: torch.nn.Module, optimizer: Optimizers, runtime: Runtime) -> None:
         """Attach to a model and optimizer(s); replicas start equal after this."""
@@ -426,10 +416,6 @@ class Strategy(LossScaling, ForwardSide, Survival, abc.ABC):
                 f"need 0 <= samples <= global_samples and global_samples > 0, "
                 f"got samples={samples}, global_samples={global_samples}"
             )
-
-    def _wait(self, work: Any, operation: str) -> None:
-        """Bounded wait on a c10d work item; failures name the rank(s) responsible."""
-        self.runtime.wait(work, operation, where=f"step {self.steps} of strategy {self.name!r}")
 
 
 def load_keeping_objects(opt: torch.optim.Optimizer, state: dict[str, Any]) -> None:

@@ -18,36 +18,31 @@ from typing import Any, ClassVar
 import torch
 
 from gradhub.errors import MisuseError
-from gradhub.runtime import Runtime
 from gradhub.train.ddp_options import DDPOptions
 from gradhub.train.strategies.join import Join
+from gradhub.train.strategies.part import StrategyPart
 from gradhub.train.strategies.replicas import broadcast_tensors
 from gradhub.train.strategies.survival import PEER_FAILURES
 
 
-class ForwardSide:
-    """The forward-side part of :class:`~gradhub.train.strategies.base.Strategy`."""
+class ForwardSide(StrategyPart):
+    """The forward-side part of :class:`~gradhub.train.strategies.base.Strategy`.
 
-    name: ClassVar[str]
+    What it needs of the strategy, besides the runtime (:class:`.StrategyPart`):
+    the attributes below, and :attr:`_shadow_sync` where :attr:`supports_join`.
+    """
+
     supports_join: ClassVar[bool] = False
-    """Whether ``model.join()`` works (:meth:`_shadow_sync` is implemented)."""
+    """Whether ``model.join()`` works (the strategy provides :attr:`_shadow_sync`)."""
     model: torch.nn.Module | None
     ddp: DDPOptions
     sync: bool
     _join: Join | None
     _forward_param_sync: bool
     _sync_at_forward: bool | None
-
-    @property
-    def runtime(self) -> Runtime:
-        raise NotImplementedError
-
-    @property
-    def world_size(self) -> int:
-        raise NotImplementedError
-
-    def _wait(self, work: Any, operation: str) -> None:
-        raise NotImplementedError
+    _shadow_sync: Callable[[], None]
+    """A joined rank's part in one synchronising backward of the others (zero
+    gradients, weight 0); only a strategy that :attr:`supports_join` has it."""
 
     def join(self, **options: bool) -> Join:
         """``model.join()`` (see :mod:`.join`)."""
@@ -108,8 +103,3 @@ class ForwardSide:
 
     def _broadcast(self, tensors: list[torch.Tensor], src: int) -> None:
         broadcast_tensors(tensors, src, self._wait)
-
-    def _shadow_sync(self) -> None:
-        """A joined rank's part in one synchronising backward of the others
-        (zero gradients, weight 0); only where :attr:`supports_join`."""
-        raise NotImplementedError

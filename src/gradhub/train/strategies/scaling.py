@@ -17,28 +17,29 @@ through as inf instead of saturating it into a finite, wrong value.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from gradhub.errors import MisuseError
-from gradhub.runtime import Runtime
+from gradhub.train.strategies.part import StrategyPart
 from gradhub.train.strategies.replicas import unscale_tensors
 
 
-class LossScaling:
-    """The loss-scaling part of :class:`~gradhub.train.strategies.base.Strategy`."""
+class LossScaling(StrategyPart):
+    """The loss-scaling part of :class:`~gradhub.train.strategies.base.Strategy`.
+
+    What it needs of the strategy, besides the runtime (:class:`.StrategyPart`):
+    the attributes below, and :attr:`_step_done`.
+    """
 
     params: list[torch.nn.Parameter]
     skipped_steps: int
     _in_backward: bool
     _synced: bool
     _samples: tuple[int, int | None] | None
-
-    @property
-    def runtime(self) -> Runtime:
-        raise NotImplementedError
-
-    def _step_done(self) -> None:
-        raise NotImplementedError
+    _step_done: Callable[[], None]
+    """The bookkeeping of a step that ends (:meth:`skip` ends one too)."""
 
     def use_loss_scaling(self) -> None:
         """Gradients are loss-scaled from now on (called by :class:`gradhub.GradScaler`).

@@ -22,8 +22,9 @@ group rebuilt over the survivors: :mod:`gradhub.runtime.membership`):
   applied them sends its parameters, buffers and optimizer state to the
   ranks behind (a broadcast over the new group), so the replicas stay
   bit-identical and no applied step is trained twice.
-- A strategy survives where it says so (:attr:`survives`) and implements
-  :meth:`_rebind`; the others refuse ``--survive`` at ``prepare`` with
+- A strategy survives where it says so (:attr:`survives`) and provides
+  :attr:`_rebind` (or a :meth:`_regrouped` of its own); the others refuse
+  ``--survive`` at ``prepare`` with
   :class:`~gradhub.errors.UnsupportedByStrategyError`.
 """
 
@@ -36,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from gradhub.errors import CollectiveTimeoutError, UnsupportedByStrategyError, WorkerFailedError
+from gradhub.train.strategies.part import StrategyPart
 
 if TYPE_CHECKING:
     from gradhub.runtime import Runtime
@@ -48,18 +50,26 @@ _STALE = WorkerFailedError("the step trains a share a regroup made stale (never 
 """Marks a step whose batch a regroup made stale: it sends and applies nothing."""
 
 
-class Survival:
-    """The survival part of :class:`~gradhub.train.strategies.base.Strategy`."""
+class Survival(StrategyPart):
+    """The survival part of :class:`~gradhub.train.strategies.base.Strategy`.
 
-    name: ClassVar[str]
+    What it needs of the strategy, besides the runtime (:class:`.StrategyPart`):
+    the attributes annotated below; :attr:`_rebind` only where it
+    :attr:`survives` and keeps this :meth:`_regrouped`, which calls it.
+    """
+
     survives: ClassVar[bool] = False
     """Whether the strategy keeps training over the survivors of a peer's death."""
 
     model: torch.nn.Module | None
     optimizer: torch.optim.Optimizer | None
-    steps: int
     _synced: bool
     _samples: tuple[int, int | None] | None
+    set_samples: Callable[[int, int | None], None]
+    state_dict: Callable[[], dict[str, Any]]
+    load_state_dict: Callable[[dict[str, Any]], None]
+    _rebind: Callable[[], None]
+    """Point the strategy's communication at ``self.runtime.group`` (new after a regroup)."""
 
     failed_steps = 0
     """Steps a peer's death interrupted (each trained again over the survivors)."""
@@ -71,13 +81,6 @@ class Survival:
     """What interrupted the current step (a peer's death), or :data:`_STALE`."""
     _stale = False  # the current step trains a stale share (a prefetching loader's)
     _regroup_after = False  # a rank asked to regroup after this step (a replacement)
-    set_samples: Callable[[int, int | None], None]
-    state_dict: Callable[[], dict[str, Any]]
-    load_state_dict: Callable[[dict[str, Any]], None]
-
-    @property
-    def runtime(self) -> Runtime:
-        raise NotImplementedError
 
     def _join_survival(self, runtime: Runtime) -> None:
         """At set-up: refuse a job that survives unless this strategy does."""
@@ -156,11 +159,6 @@ class Survival:
         self._rebind()
         if done.behind:
             self._heal(done)
-
-    def _rebind(self) -> None:
-        """Point the strategy's communication at ``self.runtime.group`` (new after
-        a regroup); the strategies that survive implement it."""
-        raise NotImplementedError
 
     def _heal(self, done: Regrouped) -> None:
         assert self.model is not None
