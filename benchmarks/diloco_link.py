@@ -119,34 +119,44 @@ def worker(args: argparse.Namespace) -> None:
             Path(args.result).write_text(json.dumps(report))
 
 
+def launch(
+    cluster: Any, argv: list[str], result: Path, per_host: int = 1, timeout: float = 3600
+) -> dict[str, Any]:
+    """``argv`` (a worker's command line) as ``per_host`` ranks in every host of
+    ``cluster`` (rank ``r`` on host ``r // per_host``; gloo's rendezvous on host
+    0's address), to the end; the JSON report rank 0 wrote to ``result``."""
+    world = len(cluster.hosts) * per_host
+    procs, logs = [], []
+    for rank in range(world):
+        env = {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank % per_host),
+            "LOCAL_WORLD_SIZE": str(per_host),
+            "MASTER_ADDR": cluster.hosts[0].addr,
+            "MASTER_PORT": "29500",
+            "OMP_NUM_THREADS": "1",
+        }
+        log = result.with_name(f"{result.stem}-rank{rank}.log")
+        logs.append(log)
+        with log.open("w") as out:
+            host = cluster.hosts[rank // per_host]
+            procs.append(cluster.popen(host, argv, env=env, stdout=out, stderr=subprocess.STDOUT))
+    codes = [p.wait(timeout) for p in procs]
+    if any(codes):
+        tails = "\n".join(log.read_text()[-3000:] for log in logs)
+        raise RuntimeError(f"ranks exited with {codes}:\n{tails}")
+    report: dict[str, Any] = json.loads(result.read_text())
+    return report
+
+
 def run_rate(cluster: Any, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     """Both ranks inside their hosts, to the end; rank 0's report."""
     result = tmp / f"result-{cluster.rate}.json"
     flags = ["--steps", str(args.steps), "--rounds", str(args.rounds), "--batch",
              str(args.batch), "--seq", str(args.seq), "--width", str(args.width),
              "--layers", str(args.layers), "--result", str(result)]  # fmt: skip
-    procs, logs = [], []
-    for rank, host in enumerate(cluster.hosts):
-        env = {
-            "RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "LOCAL_RANK": "0",
-            "LOCAL_WORLD_SIZE": "1",
-            "MASTER_ADDR": cluster.hosts[0].addr,
-            "MASTER_PORT": "29500",
-            "OMP_NUM_THREADS": "1",
-        }
-        log = tmp / f"rank{rank}-{cluster.rate}.log"
-        logs.append(log)
-        with log.open("w") as out:
-            argv = [sys.executable, __file__, "--worker", *flags]
-            procs.append(cluster.popen(host, argv, env=env, stdout=out, stderr=subprocess.STDOUT))
-    codes = [p.wait(3600) for p in procs]
-    if codes != [0, 0]:
-        tails = "\n".join(log.read_text()[-3000:] for log in logs)
-        raise RuntimeError(f"ranks exited with {codes}:\n{tails}")
-    report: dict[str, Any] = json.loads(result.read_text())
-    return report
+    return launch(cluster, [sys.executable, __file__, "--worker", *flags], result)
 
 
 def summarise(report: dict[str, Any], rate: str, args: argparse.Namespace) -> list[dict[str, Any]]:
