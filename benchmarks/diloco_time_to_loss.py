@@ -111,10 +111,10 @@ def train(name: str, args: argparse.Namespace, runtime: Any, stop_at: float) -> 
     config = GPTConfig(block_size=ex.seq, vocab_size=256, n_layer=ex.layers,
                        n_head=max(1, ex.width // 64), n_embd=ex.width)  # fmt: skip
     raw = GPT(config)
+    judged = copy.deepcopy(raw) if ex.strategy == "diloco" else raw  # takes the shared weights
     opt = torch.optim.AdamW(raw.parameters(), lr=ex.lr, weight_decay=0.1)
     model, opt = gradhub.prepare(raw, opt, strategy=ex.strategy, **diloco_lm.options(ex))
     shared: list[torch.Tensor] = getattr(model.strategy, "shared", [])
-    judged = copy.deepcopy(raw) if shared else raw  # evaluated on the shared weights
     every = ex.inner_steps if ex.strategy == "diloco" else args.eval_every
     last = args.steps if name in PEERS else args.cap
     draw = torch.Generator().manual_seed(ex.seed * 1000 + runtime.rank)
@@ -140,7 +140,7 @@ def train(name: str, args: argparse.Namespace, runtime: Any, stop_at: float) -> 
         if runtime.rank == 0:
             with torch.no_grad():
                 trainable = [p for p in judged.parameters() if p.requires_grad]
-                for p, s in zip(trainable if shared else [], shared, strict=True):
+                for p, s in zip(trainable if judged is not raw else [], shared, strict=True):
                     p.copy_(s)
             loss_box.fill_(diloco_lm.evaluate(judged, val, ex.seq, args.eval_windows))
         torch.distributed.broadcast(loss_box, 0)
