@@ -343,7 +343,7 @@ def unreadable_job(rank: int, world_size: int, port: int) -> dict[str, object]:
         from gradhub._shm import cma
 
         cma.readable = lambda *args: False  # type: ignore[assignment] (this process only)
-    n = 300_001
+    n = world_size * (shm.CROSS_READ_BYTES // 4) + 1  # slices large enough to be read in place
     # small integers: every summation order gives the same, exact sums
     x = torch.arange(n, dtype=torch.float32) % 7 + rank
     expected = torch.arange(n, dtype=torch.float32) % 7 * world_size + sum(range(world_size))
