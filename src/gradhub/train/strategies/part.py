@@ -17,7 +17,11 @@ from gradhub.runtime import Runtime
 
 
 class StrategyPart:
-    """The runtime of a strategy, for the strategy and each of its parts."""
+    """The runtime of a strategy, for the strategy and each of its parts.
+
+    What it needs of the strategy: its name and its step count (both named in
+    errors).
+    """
 
     name: ClassVar[str]
     steps: int
