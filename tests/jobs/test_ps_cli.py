@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import pytest
+
 from gradhub.cli._flags import config_kwargs, field_docs
 from gradhub.cli.main import build_parser
 from gradhub.ps.server.config import ServerConfig
@@ -63,3 +65,21 @@ def test_serve_optimizer_flags_build_one_spec(tmp_path: Path) -> None:
     assert _serve_config().optimizer is None  # takes the workers' spec
     none = _serve_config("--optimizer", "none", "--durable", "--checkpoint-dir", str(tmp_path))
     assert none.optimizer == "none" and none.durable
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--workers", "0"], "workers must be at least 1, got 0"),
+        (["--max-staleness", "1"], "max_staleness applies to mode='ssp' only - help: give"),
+    ],
+)
+def test_serve_refuses_a_bad_flag_in_one_line(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gradhub.cli.main import main
+
+    assert main(["serve", *argv]) == 2  # refused before a server starts
+    err = capsys.readouterr().err
+    assert err.startswith("gradhub serve: ") and err.count("\n") == 1, err
+    assert says in err

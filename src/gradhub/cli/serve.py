@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         configure_process(config)
         server = Server(config)
     except (ValueError, OSError, GradhubError) as exc:
-        print(f"gradhub serve: {exc}", file=sys.stderr)
+        print(f"gradhub serve: {' '.join(str(exc).split())}", file=sys.stderr)  # one line
         return 2
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     print(f"gradhub serve: listening on {server.address}", flush=True)

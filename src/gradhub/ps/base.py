@@ -48,7 +48,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from gradhub.errors import DtypeMismatchError, ShapeMismatchError
+from gradhub.errors import (
+    DtypeMismatchError,
+    InvalidOptionError,
+    ShapeMismatchError,
+    WrongTypeError,
+)
 from gradhub.optim import OptimizerSpec
 from gradhub.trees import ROOT
 
@@ -56,9 +61,9 @@ Replicas = torch.Tensor | np.ndarray | Sequence[torch.Tensor | np.ndarray]
 
 
 def check_key(key: object) -> str:
-    """``key`` if it is a ``str``, else a ``TypeError`` naming it."""
+    """``key`` if it is a ``str``, else a :class:`~gradhub.errors.WrongTypeError` naming it."""
     if not isinstance(key, str):
-        raise TypeError(
+        raise WrongTypeError(
             f"parameter keys are str, got {key!r} of type {type(key).__name__}; "
             f"use e.g. {str(key)!r}"
         )
@@ -72,7 +77,7 @@ def as_replicas(values: Replicas, *, what: str = "values") -> list[torch.Tensor]
     A dict (a tree of named tensors) is not one value: each tensor goes under
     its own key (``for name, p in model.named_parameters(): ps.init(name, p)``)."""
     if isinstance(values, Mapping):
-        raise TypeError(
+        raise WrongTypeError(
             f"{what} is a dict; a parameter-server key holds one tensor (or a list of "
             "replicas of one tensor)\n- help: use one key per tensor, e.g. "
             "`for name, p in model.named_parameters(): ps.init(name, p)`"
@@ -84,10 +89,12 @@ def as_replicas(values: Replicas, *, what: str = "values") -> list[torch.Tensor]
         if isinstance(v, np.ndarray):
             v = torch.from_numpy(np.ascontiguousarray(v))
         if not isinstance(v, torch.Tensor):
-            raise TypeError(f"{what}[{i}] must be a tensor or NumPy array, got {type(v).__name__}")
+            raise WrongTypeError(
+                f"{what}[{i}] must be a tensor or NumPy array, got {type(v).__name__}"
+            )
         out.append(v)
     if not out:
-        raise ValueError(f"{what} must hold at least one tensor")
+        raise InvalidOptionError(f"{what} must hold at least one tensor")
     first = out[0]
     for i, v in enumerate(out[1:], start=1):
         if v.shape != first.shape:

@@ -48,8 +48,10 @@ import torch
 from gradhub.errors import (
     ClosedError,
     GradhubTimeoutError,
+    InvalidOptionError,
     NonFiniteError,
     UnknownParameterError,
+    WrongTypeError,
 )
 from gradhub.optim import OptimizerFactory, OptimizerSpec
 from gradhub.ps.base import ParameterServer, Replicas, as_replicas, check_key, check_like
@@ -155,7 +157,10 @@ class LocalParameterServer(ParameterServer):
         else:
             self._check_known(key)
         if self._store.optimizer(key) is None:
-            raise ValueError(f"{key!r} has no optimizer on this server, so no optimizer state")
+            raise InvalidOptionError(
+                f"{key!r} has no optimizer on this server, so no optimizer state\n- help: give "
+                "the key an optimizer at init (optimizer=OptimizerSpec.of(...)), or the server one"
+            )
         future = self._submit(key, 0, run)
         try:
             future.result(timeout)
@@ -236,7 +241,7 @@ class LocalParameterServer(ParameterServer):
 
     def _submit(self, key: str, priority: int, run: Callable[[], None]) -> Future[None]:
         if isinstance(priority, bool) or not isinstance(priority, int):
-            raise TypeError(f"priority must be an int, got {priority!r}")
+            raise WrongTypeError(f"priority must be an int, got {priority!r}")
         with self._cond:
             self._check_open()  # close() may have won the race since the first check
             op = _Op(run)

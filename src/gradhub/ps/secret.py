@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gradhub.errors import SecretFileError
+from gradhub.errors import SecretFileError, WrongTypeError
 
 __all__ = ["read_secret_file", "secret_bytes"]
 
@@ -23,7 +23,7 @@ def secret_bytes(secret: str | bytes | None) -> bytes | None:
     if isinstance(secret, str):
         secret = secret.encode("utf-8")
     if not isinstance(secret, bytes):
-        raise TypeError(f"a secret is str or bytes, got {type(secret).__name__}")
+        raise WrongTypeError(f"a secret is str or bytes, got {type(secret).__name__}")
     return secret.strip() or None
 
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from gradhub.errors import InvalidOptionError
+
 __all__ = ["ADDRESSES_KEY", "address_list", "check_address"]
 
 ADDRESSES_KEY = "gradhub/ps/addresses"
@@ -27,9 +29,10 @@ _ADDRESS = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):[0-9]{1,5}|ipc:/
 
 
 def check_address(address: object) -> str:
-    """``address`` if it is a ZeroMQ endpoint a client can connect to, else ``ValueError``."""
+    """``address`` if it is a ZeroMQ endpoint a client can connect to, else
+    :class:`~gradhub.errors.InvalidOptionError`."""
     if not isinstance(address, str) or _ADDRESS.fullmatch(address) is None:
-        raise ValueError(
+        raise InvalidOptionError(
             f"parameter-server address {address!r} is not one of the accepted forms: "
             "tcp://HOST:PORT (e.g. tcp://127.0.0.1:5555 or tcp://[::1]:5555), "
             "ipc:///path/to/socket, inproc://name"
@@ -41,5 +44,5 @@ def address_list(addresses: str | Sequence[str]) -> list[str]:
     """One address or several as a checked, non-empty list."""
     addrs = [addresses] if isinstance(addresses, str) else list(addresses)
     if not addrs:
-        raise ValueError("give at least one parameter-server address")
+        raise InvalidOptionError("give at least one parameter-server address")
     return [check_address(a) for a in addrs]

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gradhub import codecs
+from gradhub.errors import InvalidOptionError, WrongTypeError
 from gradhub.ps.client.addresses import address_list
 from gradhub.ps.client.arena import DEFAULT_MIN_BYTES
 from gradhub.ps.client.placement import DEFAULT_SLICE_BYTES
@@ -60,19 +61,19 @@ class ClientConfig:
     def __post_init__(self) -> None:
         self.addresses = address_list(self.addresses)
         if isinstance(self.worker_id, bool) or not isinstance(self.worker_id, int):
-            raise TypeError(f"worker_id must be an int, got {self.worker_id!r}")
+            raise WrongTypeError(f"worker_id must be an int, got {self.worker_id!r}")
         if not 0 <= self.worker_id < 2**32:
-            raise ValueError(f"worker_id must be in [0, 2**32), got {self.worker_id}")
+            raise InvalidOptionError(f"worker_id must be in [0, 2**32), got {self.worker_id}")
         if self.nonfinite not in ("error", "skip"):
-            raise ValueError(f"nonfinite must be 'error' or 'skip', got {self.nonfinite!r}")
+            raise InvalidOptionError(f"nonfinite must be 'error' or 'skip', got {self.nonfinite!r}")
         for name in ("timeout", "connect_timeout", "heartbeat_interval", "retry_interval"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
+                raise InvalidOptionError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
         for name in ("slice_bytes", "max_inflight_bytes"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0 bytes, got {getattr(self, name)!r}")
+                raise InvalidOptionError(f"{name} must be > 0 bytes, got {getattr(self, name)!r}")
         if self.arena_min_bytes < 0:
-            raise ValueError(f"arena_min_bytes must be >= 0, got {self.arena_min_bytes}")
+            raise InvalidOptionError(f"arena_min_bytes must be >= 0, got {self.arena_min_bytes}")
         self.compress = codecs.check(self.compress, for_="RemoteParameterServer")
 
     @property

@@ -10,7 +10,12 @@ from typing import Any
 
 import torch
 
-from gradhub.errors import DtypeMismatchError, ShapeMismatchError
+from gradhub.errors import (
+    DtypeMismatchError,
+    InvalidOptionError,
+    ShapeMismatchError,
+    WrongTypeError,
+)
 from gradhub.ps.wire.protocol import Message
 
 __all__ = ["filler", "meta_json"]
@@ -50,9 +55,11 @@ def meta_json(data: dict[str, Any]) -> bytes:
     def plain(value: Any) -> Any:
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             return value.item()
-        raise TypeError(f"{type(value).__name__} cannot be sent to a parameter server as JSON")
+        raise WrongTypeError(f"{type(value).__name__} cannot be sent to a parameter server as JSON")
 
     try:
         return json.dumps(data, default=plain, allow_nan=False).encode()
     except ValueError as exc:
-        raise ValueError(f"{data}: hyperparameters must be finite numbers ({exc})") from None
+        raise InvalidOptionError(
+            f"{data}: hyperparameters must be finite numbers ({exc})"
+        ) from None

@@ -36,7 +36,7 @@ import torch
 
 from gradhub import codecs
 from gradhub._config import config_or_options
-from gradhub.errors import ClosedError, NonFiniteError, ServerTimeoutError
+from gradhub.errors import ClosedError, NonFiniteError, ServerTimeoutError, UnsupportedOptionError
 from gradhub.optim import OptimizerSpec
 from gradhub.ps.base import ParameterServer, Replicas, as_replicas, check_key
 from gradhub.ps.client import optim_slices
@@ -78,7 +78,9 @@ class RemoteParameterServer(ParameterServer):
     ) -> None:
         if addresses is not None:
             if config is not None:
-                raise TypeError("pass the addresses in config= or as an argument, not both")
+                raise UnsupportedOptionError(
+                    "pass the addresses in config= or as an argument, not both"
+                )
             options["addresses"] = addresses
         cfg = config_or_options(ClientConfig, config, options)
         self.config = cfg

@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gradhub.errors import InvalidOptionError, WrongTypeError
 from gradhub.optim import OptimizerSpec
 from gradhub.ps.secret import read_secret_file, secret_bytes
 from gradhub.ps.server.consistency import MODES
@@ -40,7 +41,7 @@ def optimizer_spec(name: str, lr: float | None, momentum: float | None) -> Optim
         hyper["momentum"] = momentum
     if name in ("descent", "ascent"):
         if momentum:
-            raise ValueError(f"optimizer {name!r} has no momentum; use --optimizer sgd")
+            raise InvalidOptionError(f"optimizer {name!r} has no momentum; use --optimizer sgd")
         hyper.pop("momentum", None)
         return OptimizerSpec.of("sgd", maximize=name == "ascent", **hyper)
     return OptimizerSpec.of(name, **hyper)
@@ -148,48 +149,61 @@ class ServerConfig:
     def __post_init__(self) -> None:
         self.secret = secret_bytes(self.secret)
         if not re.fullmatch(r"(tcp|ipc|inproc)://.+", self.bind):
-            raise ValueError(
+            raise InvalidOptionError(
                 f"bind address {self.bind!r} is not a ZeroMQ endpoint; use e.g. tcp://127.0.0.1:5555"
             )
         if not is_loopback(self.bind) and self.secret is None:
-            raise ValueError(
+            raise InvalidOptionError(
                 f"binding {self.bind} would expose the parameter server beyond this machine "
                 "without authentication; give a shared secret (--secret-file) or bind to "
                 "tcp://127.0.0.1:PORT"
             )
         self._normalise_optimizer()
         if self.mode not in MODES:
-            raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
+            raise InvalidOptionError(
+                f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}"
+            )
         if self.workers < 1:
-            raise ValueError(f"workers must be at least 1, got {self.workers}")
+            raise InvalidOptionError(f"workers must be at least 1, got {self.workers}")
         if self.max_staleness < 0:
-            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+            raise InvalidOptionError(f"max_staleness must be >= 0, got {self.max_staleness}")
         if self.max_staleness and self.mode != "ssp":
-            raise ValueError("max_staleness applies to mode='ssp' only")
+            raise InvalidOptionError(
+                "max_staleness applies to mode='ssp' only\n- help: give mode='ssp' (--mode ssp) "
+                "with it, or leave max_staleness at 0"
+            )
         if self.durable and self.checkpoint_dir is None:
-            raise ValueError("durable needs a checkpoint_dir (--checkpoint-dir) for its log")
+            raise InvalidOptionError(
+                "durable needs a checkpoint_dir (--checkpoint-dir) for its log"
+            )
         if not self.checkpoint_every > 0:
-            raise ValueError(f"checkpoint_every must be positive, got {self.checkpoint_every}")
+            raise InvalidOptionError(
+                f"checkpoint_every must be positive, got {self.checkpoint_every}"
+            )
         if not self.heartbeat_timeout > 0:
-            raise ValueError(f"heartbeat_timeout must be positive, got {self.heartbeat_timeout}")
+            raise InvalidOptionError(
+                f"heartbeat_timeout must be positive, got {self.heartbeat_timeout}"
+            )
         if self.threads < 1:
-            raise ValueError(f"threads must be at least 1, got {self.threads}")
+            raise InvalidOptionError(f"threads must be at least 1, got {self.threads}")
         if self.max_payload < 1:
-            raise ValueError(f"max_payload must be positive, got {self.max_payload}")
+            raise InvalidOptionError(f"max_payload must be positive, got {self.max_payload}")
 
     def _normalise_optimizer(self) -> None:
         name, lr, momentum = self.optimizer, self.lr, self.momentum
         if lr is not None and not lr > 0:
-            raise ValueError(f"lr must be positive, got {lr}")
+            raise InvalidOptionError(f"lr must be positive, got {lr}")
         if isinstance(name, OptimizerSpec) or name == NO_OPTIMIZER:
             if lr is not None or momentum is not None:
-                raise ValueError(f"lr and momentum go with an optimizer name, not with {name!r}")
+                raise InvalidOptionError(
+                    f"lr and momentum go with an optimizer name, not with {name!r}"
+                )
         elif name is None and lr is None and momentum is None:
             pass  # not fixed: the workers' spec, or default_optimizer()
         elif name is None or isinstance(name, str):
             self.optimizer = optimizer_spec(name or "sgd", lr, momentum)
         else:
-            raise TypeError(
+            raise WrongTypeError(
                 f"optimizer is an OptimizerSpec, a torch.optim name or 'none', got {name!r}"
             )
         if isinstance(self.optimizer, OptimizerSpec):

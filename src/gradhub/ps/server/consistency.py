@@ -63,6 +63,8 @@ from typing import Any
 
 import torch
 
+from gradhub.errors import InvalidOptionError
+
 log = logging.getLogger(__name__)
 
 MODES = ("async", "sync", "ssp")
@@ -105,7 +107,9 @@ class Consistency:
 
     def __init__(self, mode: str, *, workers: int, max_staleness: int = 0):
         if mode not in MODES:
-            raise ValueError(f"unknown consistency mode {mode!r}; choose one of {', '.join(MODES)}")
+            raise InvalidOptionError(
+                f"unknown consistency mode {mode!r}; choose one of {', '.join(MODES)}"
+            )
         self.mode = mode
         self.workers = workers
         self.max_staleness = max_staleness

@@ -13,6 +13,7 @@ import dataclasses
 import logging
 from typing import Any
 
+from gradhub.errors import InvalidOptionError
 from gradhub.ps.server import checkpoint
 from gradhub.ps.server.config import ServerConfig
 from gradhub.ps.server.wal import WriteAheadLog
@@ -51,7 +52,7 @@ class Persistence:
             log.warning("removed %s, left by a checkpoint write that did not finish", tmp)
         state = checkpoint.load(self.path)
         if state is not None and state.get("mode") != self.config.mode:
-            raise ValueError(
+            raise InvalidOptionError(
                 f"checkpoint {self.path} was written in mode {state.get('mode')!r}, "
                 f"this server runs {self.config.mode!r}; use another --checkpoint-dir"
             )

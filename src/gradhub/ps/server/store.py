@@ -46,9 +46,11 @@ import torch
 
 from gradhub.errors import (
     DuplicateParameterError,
+    InvalidOptionError,
     OptimizerMismatchError,
     ShapeMismatchError,
     UnknownParameterError,
+    WrongTypeError,
 )
 from gradhub.optim import OptimizerFactory, OptimizerSpec, from_wire
 from gradhub.ps.base import check_like
@@ -78,7 +80,7 @@ def same_optimizer(a: OptimizerSpec, b: OptimizerSpec) -> bool:
 def check_servable(spec: OptimizerSpec) -> OptimizerSpec:
     """``spec`` if a server can step it on a gradient alone (LBFGS needs a closure)."""
     if spec.name == "LBFGS":
-        raise ValueError(
+        raise InvalidOptionError(
             "optimizer LBFGS re-evaluates the loss through a closure, which a parameter "
             "server does not have; use a gradient-only torch.optim optimizer (SGD, Adam, ...)"
         )
@@ -258,7 +260,7 @@ class ParameterStore:
         unfixed store builds it instead of its default.
         """
         if not isinstance(key, str) or not key:
-            raise TypeError(f"parameter keys are non-empty strings, got {key!r}")
+            raise WrongTypeError(f"parameter keys are non-empty strings, got {key!r}")
         if key in self._values:
             raise DuplicateParameterError(
                 f"parameter {key!r} is already initialised; each key is initialised once"
@@ -305,14 +307,16 @@ class ParameterStore:
         self._plain.pop(key, None)
         optimizer = self.optimizer(key)
         if optimizer is None:
-            raise ValueError(
-                f"{key!r} has no optimizer on this server to set {dict(hyperparameters)} on"
+            raise InvalidOptionError(
+                f"{key!r} has no optimizer on this server to set {dict(hyperparameters)} on\n"
+                "- help: give the key an optimizer at init (optimizer=OptimizerSpec.of(...)), "
+                "or the server one"
             )
         group = optimizer.param_groups[0]
         unknown = sorted(set(hyperparameters) - set(group) - {"params"})
         if unknown or "params" in hyperparameters:
             has = ", ".join(k for k in group if k != "params")
-            raise ValueError(
+            raise InvalidOptionError(
                 f"{type(optimizer).__name__} of {key!r} has no hyperparameter(s) "
                 f"{', '.join(unknown or ['params'])}; it has {has}"
             )
@@ -349,9 +353,10 @@ class ParameterStore:
     def _optimizer_of(self, key: str) -> torch.optim.Optimizer:
         optimizer = self.optimizer(key)
         if optimizer is None:
-            raise ValueError(
+            raise InvalidOptionError(
                 f"{key!r} has no optimizer on this server (a push replaces its value), "
-                "so it has no optimizer state"
+                "so it has no optimizer state\n- help: give the key an optimizer at init "
+                "(optimizer=OptimizerSpec.of(...)), or the server one"
             )
         return optimizer
 
@@ -417,14 +422,19 @@ class ParameterStore:
         }
         for key in optimizers:
             if key not in values:
-                raise ValueError(f"optimizer state for {key!r} has no value in the checkpoint")
+                raise InvalidOptionError(
+                    f"optimizer state for {key!r} has no value in the checkpoint\n- help: "
+                    "the file is not a whole checkpoint of a server; use another --checkpoint-dir"
+                )
             if key in self._values:
                 has = key in self._optimizers
             else:
                 has = self._factory_for(key, specs.get(key)) is not None
             if not has:
-                raise ValueError(
-                    f"the checkpoint holds optimizer state for {key!r}, which has none here"
+                raise InvalidOptionError(
+                    f"the checkpoint holds optimizer state for {key!r}, which has none here\n"
+                    "- help: start the server with the optimizer it had when it wrote the "
+                    "checkpoint (--optimizer), or use another --checkpoint-dir"
                 )
         for key, v in values.items():
             if key in self._values:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from gradhub.errors import ProtocolError
+from gradhub.errors import ProtocolError, WrongTypeError
 from gradhub.ps.wire.protocol import dtype_code, dtype_of
 
 State = dict[str, Any]
@@ -52,7 +52,7 @@ def pack(state: Mapping[str, Any]) -> tuple[dict[str, Any], torch.Tensor]:
         elif value is None or isinstance(value, bool | int | float):
             entries[name] = {"value": value}
         else:
-            raise TypeError(
+            raise WrongTypeError(
                 f"optimizer state entry {name!r} is a {type(value).__name__}; only tensors, "
                 "numbers, bools and None can be sent to a parameter server"
             )

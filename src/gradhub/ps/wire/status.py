@@ -4,6 +4,9 @@ The server answers a failed request with :func:`status_of` its exception and
 the exception's message; the client raises :func:`error_of` that status, an
 instance of the same class with the same message and the server's address.
 A subclass comes before its base in ``TABLE`` (the first match wins).
+``BAD_REQUEST`` (a ``ProtocolError``, any other ``ValueError`` or ``TypeError``:
+a request the server refused, e.g. hyperparameters its optimizer does not
+have) comes back as an :class:`~gradhub.errors.InvalidOptionError`, a ``ValueError``.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from gradhub.errors import (
     DuplicateParameterError,
     GradhubError,
     GradhubTimeoutError,
+    InvalidOptionError,
     NonFiniteError,
     OptimizerMismatchError,
     ProtocolError,
@@ -54,7 +58,7 @@ def error_of(status: Status, text: str, server: str, operation: str, key: str) -
     """The exception a client raises for an error reply from ``server``."""
     message = f"{text} (server {server})"
     if status == Status.BAD_REQUEST:
-        return ValueError(message)
+        return InvalidOptionError(message)
     cls = _CLASS.get(status)
     if cls is None:
         return GradhubError(f"{operation} of {key!r} failed on {server}: {text}")

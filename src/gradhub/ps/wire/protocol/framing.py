@@ -13,7 +13,13 @@ from typing import Any
 
 import torch
 
-from gradhub.errors import AuthenticationError, OversizedError, ProtocolError, UnknownOpError
+from gradhub.errors import (
+    AuthenticationError,
+    InvalidOptionError,
+    OversizedError,
+    ProtocolError,
+    UnknownOpError,
+)
 from gradhub.ps.wire.protocol.message import (
     ARENA_LOCATOR,
     CODECS,
@@ -76,14 +82,17 @@ def encode(
     :data:`PACK_MAX` bytes (the signature is the same: it covers the same bytes)."""
     key_bytes = key.encode("utf-8")
     if len(key_bytes) > MAX_KEY_BYTES:
-        raise ValueError(
+        raise InvalidOptionError(
             f"key {key[:40]!r}... is {len(key_bytes)} bytes; the limit is {MAX_KEY_BYTES}"
         )
     data: Any
     if isinstance(payload, torch.Tensor):
         shape = tuple(payload.shape)
         if len(shape) > MAX_NDIM:
-            raise ValueError(f"tensors of more than {MAX_NDIM} dimensions cannot be sent")
+            raise InvalidOptionError(
+                f"tensors of more than {MAX_NDIM} dimensions cannot be sent\n- help: init, "
+                "push and pull a view of it with fewer dimensions (e.g. t.view(-1))"
+            )
         header.dtype = payload.dtype
         header.shape = shape
         data = tensor_frame(payload)

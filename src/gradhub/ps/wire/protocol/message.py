@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from gradhub import codecs
-from gradhub.errors import ProtocolError
+from gradhub.errors import ProtocolError, WrongTypeError
 
 MAGIC = b"GH"
 VERSION = 2
@@ -98,11 +98,12 @@ CODECS = tuple(codecs.available())
 
 
 def dtype_code(dtype: torch.dtype) -> int:
-    """The wire code of ``dtype`` (``TypeError`` for dtypes the wire cannot carry)."""
+    """The wire code of ``dtype`` (:class:`~gradhub.errors.WrongTypeError` for dtypes the
+    wire cannot carry)."""
     try:
         return _DTYPE_CODES[dtype]
     except KeyError:
-        raise TypeError(
+        raise WrongTypeError(
             f"dtype {dtype} cannot be sent to a parameter server; use one of "
             f"{', '.join(str(d) for d in DTYPES.values())}"
         ) from None

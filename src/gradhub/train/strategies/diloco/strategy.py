@@ -244,9 +244,10 @@ class DiLoCoStrategy(Resync, Strategy):
                 "skipped step counts as an inner step, and the same loop on every rank"
             )
         if total <= 0:
-            raise ValueError(
+            raise InvalidOptionError(
                 "no rank processed any sample since the last sync (set_samples(0) on every "
-                "step of every rank): there is no pseudo-gradient to average"
+                "step of every rank): there is no pseudo-gradient to average\n- help: give "
+                "set_samples the number of samples of the rank's batch, > 0 on some rank"
             )
         return total
 
