@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-gpu check install bench bench-net clean test-torch-dist
+.PHONY: demo test test-gpu gpu-wheels check install bench bench-net clean test-torch-dist
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,14 @@ test: check
 GPU_PYTHON ?= $(BIN)/python
 test-gpu:
 	$(GPU_PYTHON) -m pytest -W error -rs --durations=15 -m gpu tests
+
+# For a lent GPU machine (no network, Python 3.12, its own torch, no pyzmq):
+# the pinned pyzmq as a wheel in .whl/ (git-ignored), which
+# benchmarks/gpu_check.sh installs there with gradhub; see that script.
+gpu-wheels: $(STAMP)
+	$(BIN)/python -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_28_x86_64 -d .whl \
+		$$(grep -i '^pyzmq==' constraints.txt)
 
 # torch's own distributed suite (DistributedTest._DistTestBase) on gloo, on the
 # gradhub backend, and on gradhub under gloo's name (the cases torch gates on the
