@@ -92,6 +92,7 @@ from gradhub.errors import (
 )
 from gradhub.train import reducers
 from gradhub.train.strategies.base import Strategy
+from gradhub.train.strategies.replicas import factor
 from gradhub.train.strategies.step_flags import StepFlags
 
 
@@ -185,11 +186,11 @@ class AllReduceStrategy(Strategy):
         self._reducer: Any = None
         self._hook: reducers.CommHook | None = None
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None
-        self._scale = 0.0
+        self._scale = factor(0.0)
         self._by_count = False
         self._next_launch = 0
         self._shadowing = False  # a joined rank's zero contribution
-        self._divisor = 1
+        self._divisor = factor(1.0)
         self._index: dict[int, int] = {}  # id(param) -> position in self.params
         self._flags: StepFlags | None = None
         self._flags_work: Any = None
@@ -278,8 +279,9 @@ class AllReduceStrategy(Strategy):
         for bucket in self._buckets:
             bucket.ready, bucket.work = 0, None
             bucket.filled.clear()
-        self._scale, self._by_count = self._weights()
-        self._divisor = self.world_size if self._join is None else self._join.divisor
+        scale, self._by_count = self._weights()
+        self._scale = factor(scale)
+        self._divisor = factor(self.world_size if self._join is None else self._join.divisor)
         self._next_launch = 0
 
     def _grad_ready(self, p: torch.Tensor) -> None:
@@ -366,7 +368,7 @@ class AllReduceStrategy(Strategy):
 
     def _finish_backward(self) -> None:
         for bucket in self._buckets:
-            for i, p in enumerate(bucket.params):
+            for i, p in enumerate(bucket.params if bucket.ready < len(bucket.params) else ()):
                 if i not in bucket.filled:
                     grad = p.grad
                     if grad is not None and id(p) not in self._used and not self._shadowing:
@@ -394,12 +396,12 @@ class AllReduceStrategy(Strategy):
             # not match the samples actually processed, correct to the true weights.
             expected = float(self._samples[1])
             fix = expected / total if total != expected else None
-        index = self._index
+        index, every = self._index, bool(used.all())
         for bucket in self._buckets:
             if fix is not None:
                 bucket.buffer.mul_(fix)
             for p, view in zip(bucket.params, bucket.views, strict=True):
-                if not used[index[id(p)]]:
+                if not every and not used[index[id(p)]]:
                     continue  # no rank used it: .grad stays as it was (DDP)
                 if p.dtype != torch.float32:
                     p.grad = view.to(p.dtype)

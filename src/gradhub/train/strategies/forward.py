@@ -40,6 +40,9 @@ class ForwardSide(StrategyPart):
     _join: Join | None
     _forward_param_sync: bool
     _sync_at_forward: bool | None
+    _has_buffers: bool | None = None
+    """Whether the model has buffers, looked up at the first forward that would
+    broadcast them (walking the modules costs about 2 us each, every step)."""
     _shadow_sync: Callable[[], None]
     """A joined rank's part in one synchronising backward of the others (zero
     gradients, weight 0); only a strategy that :attr:`supports_join` has it."""
@@ -72,7 +75,9 @@ class ForwardSide(StrategyPart):
     def before_forward(self) -> None:
         """The prepared model's forward starts: join's notice, buffers from rank 0."""
         buffers = self._forward_param_sync and self.ddp.sync_buffers_at_forward
-        buffers = buffers and bool(self._buffers())
+        if buffers and self._has_buffers is None:  # looked up once, as DDP does
+            self._has_buffers = bool(self._buffers())
+        buffers = buffers and bool(self._has_buffers)
         src = 0
         if self._join is not None:
             src = self._join.notify(torch.is_grad_enabled() and self.sync, buffers)

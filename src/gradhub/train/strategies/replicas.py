@@ -7,6 +7,7 @@ Helpers the strategies share (:mod:`.base` calls them):
   one flat broadcast per dtype; the values arrive bit for bit (a copy, no
   arithmetic), as DDP's ``_sync_module_states``.
 - :func:`unscale_tensors` is torch's own unscale kernel.
+- :func:`factor` is a gradient's weight as the per-parameter operations take it.
 """
 
 from __future__ import annotations
@@ -49,3 +50,11 @@ def unscale_tensors(tensors: list[torch.Tensor], inv_scale: float) -> bool:
     inv = torch.full((1,), inv_scale, dtype=torch.float32, device=tensors[0].device)
     torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, inv)
     return bool(found.item() > 0)
+
+
+def factor(value: float) -> torch.Tensor:
+    """``value`` as a 0-dim fp32 tensor, for the per-parameter ``mul``/``div`` of a
+    step: given a Python number, an in-place or ``out=`` operation converts it to a
+    tensor on every call (about 2 us, a step's worth per parameter); an fp32
+    gradient is multiplied by the number rounded to fp32 either way, the same bits."""
+    return torch.tensor(value, dtype=torch.float32)

@@ -111,7 +111,7 @@ import torch.distributed as dist
 from gradhub import codecs
 from gradhub._config import config_or_options
 from gradhub.collective import AllReduceParameter, ShardedOptimizer, all_gather
-from gradhub.collective.sharded_optimizer import check_elementwise
+from gradhub.collective.sharded_optimizer import Piece, check_elementwise
 from gradhub.errors import UnsupportedByStrategyError
 from gradhub.optim import OptimizerSpec
 from gradhub.runtime import Runtime
@@ -151,6 +151,7 @@ class ShardedStrategy(ShardedSurvival, Strategy):
         self._grad = torch.zeros(0)  # fp32: the wire's (reduce-scatter input, all-gather output)
         self._model_grad = self._grad  # what .grad views: _grad itself, or a 16-bit copy
         self._grad_views: list[torch.Tensor] = []
+        self._cuts: tuple[Any, Any, list[torch.Tensor]] = (None, None, [])  # _piece_gradients
         self._arp: AllReduceParameter | None = None
         self._opt: ShardedOptimizer | None = None
         self._responder: ShardResponder | None = None
@@ -369,16 +370,27 @@ class ShardedStrategy(ShardedSurvival, Strategy):
         if self._ahead is not None and self._ahead.keep(self.optimizer.param_groups):
             self._flat = self._ahead.weights  # stepped during the backward: sharded_ahead
             return
+        self._opt.step_pieces(self._piece_gradients(self._opt.pieces))
+        self._step_mirrors()  # survival: the slices this rank holds for others
+        (self._ahead.gather() if self._ahead else self._arp.get_weights(self._flat)).wait()
+
+    def _piece_gradients(self, pieces: list[Piece]) -> list[torch.Tensor | None]:
+        """Each piece's fp32 gradient from its parameter's ``.grad``: where that is
+        still the fp32 combined gradient's view, its slice cut once per set of pieces."""
+        views, cuts = self._grad_views, self._cuts[2]
+        if self._cuts[0] is not pieces or self._cuts[1] is not views:
+            cuts = [views[q.index].view(-1)[q.offset :][: q.view.numel()] for q in pieces]
+            self._cuts = (pieces, views, cuts)
         grads: list[torch.Tensor | None] = []
-        for piece in self._opt.pieces:
+        for piece, cut in zip(pieces, cuts, strict=True):
             grad = self.params[piece.index].grad
-            if grad is not None:
+            if grad is views[piece.index] and self._model_grad is self._grad:
+                grad = cut  # (views are never None)
+            elif grad is not None:
                 flat = grad.detach().reshape(-1)
                 grad = flat[piece.offset : piece.offset + piece.view.numel()].float()
             grads.append(grad)
-        self._opt.step_pieces(grads)
-        self._step_mirrors()  # survival: the slices this rank holds for others
-        (self._ahead.gather() if self._ahead else self._arp.get_weights(self._flat)).wait()
+        return grads
 
     def _count_step(self) -> None:
         super()._step_done()

@@ -28,6 +28,7 @@ from gradhub import codecs
 from gradhub.collective import AllReduceParameter, CollectiveFuture, CollectiveGroup
 from gradhub.collective.collectives import run_all_gather
 from gradhub.partition import segment_ranges
+from gradhub.train.strategies.replicas import factor
 from gradhub.train.strategies.sharded_ahead import StepAhead
 
 
@@ -44,7 +45,8 @@ class GradientBuckets:
     ) -> None:
         self._params, self._grad, self._arp, self._group = params, grad, arp, group
         self._buckets: list[tuple[int, int]] = []  # (offset, numel) in the flat vector
-        self._slot: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, offset)
+        # id(param) -> (bucket, its slot in grad, the slot shaped as the parameter)
+        self._slot: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
         self._sizes: list[int] = []  # parameters per bucket
         offsets, total = [], 0
         for p in params:
@@ -58,14 +60,15 @@ class GradientBuckets:
                 self._buckets.append((end - size, size))
                 self._sizes.append(count)
                 end, size, count = end - size, 0, 0
-            self._slot[id(params[i])] = (len(self._buckets), offsets[i])
+            slot = grad[offsets[i] : offsets[i] + n]
+            self._slot[id(params[i])] = (len(self._buckets), slot, slot.view(params[i].shape))
             size, count = size + n, count + 1
         self._buckets.append((end - size, size))
         self._sizes.append(count)
         self._ready = [0] * len(self._buckets)
         self._filled: set[int] = set()
         self._next = 0
-        self._scale = 1.0
+        self._scale = factor(1.0)
         self._gather = False
         self._gathers: list[CollectiveFuture[torch.Tensor]] = []
         self.ahead: StepAhead | None = None
@@ -77,7 +80,7 @@ class GradientBuckets:
         self._ready = [0] * len(self._buckets)
         self._filled.clear()
         self._next = 0
-        self._scale, self._gather = scale, gather
+        self._scale, self._gather = factor(scale), gather
         self._gathers = []
         if self.ahead is not None:
             self.ahead.begin(live, wanted=gather)
@@ -107,15 +110,14 @@ class GradientBuckets:
             self.ahead.backward_done(all_used, len(self._buckets))
 
     def _fill(self, p: torch.Tensor) -> None:
-        b, offset = self._slot[id(p)]
-        slot = self._grad[offset : offset + p.numel()]
+        b, slot, shaped = self._slot[id(p)]
         grad = p.grad
         if grad is None:
             slot.zero_()
         elif grad.data_ptr() == slot.data_ptr() and grad.is_contiguous():
             slot.mul_(self._scale)  # .grad is already this view (the last combined gradient)
         elif grad.dtype == torch.float32:
-            torch.mul(grad.reshape(-1), self._scale, out=slot)
+            torch.mul(grad, self._scale, out=shaped)
         else:  # 16-bit parameters: weighted and summed in fp32
             slot.copy_(grad.reshape(-1)).mul_(self._scale)
         self._filled.add(id(p))

@@ -43,11 +43,11 @@ class StepFlags:
 
     def write(self, used: Sequence[bool], samples: float, regroup: bool = False) -> None:
         """This rank's flags and count (host values; nothing is read back)."""
-        values = [*map(float, used), float(samples), float(regroup)]
-        if self._host is not None:
-            self._host[:] = values
-        else:
-            self.tensor.copy_(torch.tensor(values), non_blocking=True)
+        host = self._host if self._host is not None else np.empty(self._count + 2, np.float32)
+        host[: self._count] = used  # one conversion of the list in numpy, not one per flag
+        host[self._count :] = (samples, regroup)
+        if self._host is None:
+            self.tensor.copy_(torch.from_numpy(host), non_blocking=True)
 
     def write_zeros(self) -> None:
         """A joined rank's contribution: nothing used, no sample."""
