@@ -29,11 +29,15 @@ clock at its first evaluation at or below it. Reported per rate: each
 contender's time and host 0's MB to each target and the ratio to the peer
 whose final loss it is (< 1: sooner), its best loss, its seconds per step.
 
-``--borrow-clock RATES``: at those rates ``allreduce lr=4e-3`` is not run;
-its times there are ``allreduce``'s clock at the same step (the two differ
-only in the learning rate: the same bytes and compute per step), its steps
-to each target from its run at the first rate (a run's losses do not depend
-on the link). The table marks such rows.
+Rank 0 also times the optimizer steps that sync (diloco: every ``H / F``-th
+step; the exchange runs inside them, ``overlap=0``): the part of a
+contender's time the link can change; the rest is compute.
+
+``--peers-from RECORD``: the peers are not run again; their runs at each
+rate are the record's (``diloco_time_to_loss.json``), their final losses the
+targets (a run's losses are the same at every rate: the arithmetic does not
+depend on the link). The table marks their rows; ``--name`` keeps such a
+run's files apart from the record's.
 
 Both hosts share this machine's cores (the compute is time-sliced between
 the 4 ranks and whatever else runs): read the ratios. Writes
@@ -122,6 +126,8 @@ def train(name: str, args: argparse.Namespace, runtime: Any, stop_at: float) -> 
     curve: list[list[float]] = []
     torch.distributed.barrier()
     clock, sent, paused, paused_bytes = time.perf_counter(), tx_bytes(), 0.0, 0
+    in_syncs = 0.0
+    sync_every = ex.inner_steps // ex.fragments if ex.strategy == "diloco" else 0
     for step in range(1, last + 1):
         starts = torch.randint(0, len(train_bytes) - ex.seq - 1, (ex.batch,), generator=draw)
         x = torch.stack([train_bytes[s : s + ex.seq] for s in starts]).long()
@@ -132,7 +138,10 @@ def train(name: str, args: argparse.Namespace, runtime: Any, stop_at: float) -> 
         _, loss = model(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        begin = time.perf_counter()
         opt.step()
+        if sync_every and step % sync_every == 0:
+            in_syncs += time.perf_counter() - begin
         if step % every and step != last:
             continue
         pause, pause_bytes = time.perf_counter(), tx_bytes()
@@ -144,7 +153,7 @@ def train(name: str, args: argparse.Namespace, runtime: Any, stop_at: float) -> 
                     p.copy_(s)
             loss_box.fill_(diloco_lm.evaluate(judged, val, ex.seq, args.eval_windows))
         torch.distributed.broadcast(loss_box, 0)
-        curve.append([step, seconds, nbytes, float(loss_box)])
+        curve.append([step, seconds, nbytes, float(loss_box), in_syncs])
         paused += time.perf_counter() - pause
         paused_bytes += tx_bytes() - pause_bytes
         if float(loss_box) <= stop_at:
@@ -161,7 +170,7 @@ def worker(args: argparse.Namespace) -> None:
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     with gradhub.init(timeout=1800) as runtime:
         for r in range(args.rounds):
-            targets: list[float] = []  # the peers run first: their final losses
+            targets = [float(t) for t in args.targets.split(",") if t]  # or the peers' first
             for name in names:
                 run = train(name, args, runtime, -math.inf if name in PEERS else min(targets))
                 if name in PEERS:
@@ -175,18 +184,9 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def reach(curve: list[list[float]], target: float) -> list[float] | None:
-    """The first evaluation ``[step, seconds, bytes, loss]`` at or below ``target``."""
+    """The first evaluation ``[step, seconds, bytes, loss, sync seconds]`` at or below
+    ``target``."""
     return next((point for point in curve if point[3] <= target), None)
-
-
-def borrowed(tuned: list[dict[str, Any]], peer: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The tuned peer's curve (first run) on each ``peer`` run's clock and bytes, step for step."""
-    runs = []
-    for run in peer:
-        at = {p[0]: p for p in run["curve"]}
-        curve = [[p[0], *at[p[0]][1:3], p[3]] for p in tuned[0]["curve"] if p[0] in at]
-        runs.append({"curve": curve, "eval_seconds": 0.0, "borrowed": True})
-    return runs
 
 
 def summarise(rate: str, runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -195,7 +195,7 @@ def summarise(rate: str, runs: dict[str, list[dict[str, Any]]]) -> list[dict[str
     rows = []
     for name, done in runs.items():
         row: dict[str, Any] = {"rate": rate, "contender": name, "rounds": len(done)}
-        row["borrowed"] = bool(done[0].get("borrowed"))
+        row["recorded"] = bool(done[0].get("recorded"))
         for p in PEERS:
             hits = [reach(r["curve"], targets[p]) for r in done]
             reached = [h for h in hits if h is not None]
@@ -210,6 +210,9 @@ def summarise(rate: str, runs: dict[str, list[dict[str, Any]]]) -> list[dict[str
                     "seconds_max": max(h[1] for h in reached),
                     "vs_peer": statistics.median(h[1] for h in reached) / base,
                     "mb_sent": statistics.median(h[2] for h in reached) / 1e6,
+                    "sync_seconds": statistics.median(h[4] for h in reached)
+                    if all(len(h) > 4 for h in reached)
+                    else None,
                 }
         best = [min(r["curve"], key=lambda p: p[3]) for r in done]
         row["best_loss"] = statistics.median(b[3] for b in best)
@@ -235,14 +238,17 @@ def cell(hit: dict[str, Any] | None, best: float) -> str:
 def markdown(rows: list[dict[str, Any]]) -> str:
     lines = [
         f"| link | contender | rounds | s to {PEER}'s loss | vs {PEER} | MB host 0 sent "
-        f"| s to {TUNED}'s loss | vs {TUNED} | MB host 0 sent | best loss (step) | s/step |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        f"| of which s in syncs | s to {TUNED}'s loss | vs {TUNED} | MB host 0 sent "
+        "| best loss (step) | s/step |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
-        mark = " (borrowed clock)" if r["borrowed"] else ""
+        mark = " (the record's runs)" if r["recorded"] else ""
+        hit = r[f"to {PEER}"]
+        syncs = "-" if hit is None or not hit["sync_seconds"] else f"{hit['sync_seconds']:.1f}"
         lines.append(
             f"| {r['rate']} | {r['contender']}{mark} | {r['rounds']} "
-            f"| {cell(r[f'to {PEER}'], r['best_loss'])} | {cell(r[f'to {TUNED}'], r['best_loss'])} "
+            f"| {cell(hit, r['best_loss'])} | {syncs} | {cell(r[f'to {TUNED}'], r['best_loss'])} "
             f"| {r['best_loss']:.4f} ({r['best_step']:.0f}) | {r['s_per_step']:.3f} |"
         )
     return "\n".join(lines)
@@ -259,10 +265,12 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--borrow-clock", default="", help=f"rates without {TUNED!r} runs")
+    parser.add_argument("--peers-from", default=None, help="a record whose peer runs to reuse")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    parser.add_argument("--name", default="diloco_time_to_loss", help="the results' file name")
     parser.add_argument("--rounds", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--skip", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--targets", default="", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -295,20 +303,21 @@ def main() -> None:
                       "layers")]  # fmt: skip
     rows: list[dict[str, Any]] = []
     notes: dict[str, Any] = {}
-    first: dict[str, list[dict[str, Any]]] = {}
+    peers = json.loads(Path(args.peers_from).read_text())["runs"] if args.peers_from else {}
     with tempfile.TemporaryDirectory() as tmp:
         for rate, rounds in plan:
-            skip = TUNED if rate in args.borrow_clock.split(",") else ""
+            recorded = {p: [{**r, "recorded": True} for r in peers[rate]["runs"][p]] for p in
+                        (PEERS if peers else ())}  # fmt: skip
+            skip = ",".join(recorded)
+            targets = ",".join(str(r[0]["curve"][-1][3]) for r in recorded.values())
             result = Path(tmp) / f"result-{rate}.json"
             argv = [sys.executable, __file__, "--worker", *flags, f"--rounds={rounds}",
-                    f"--skip={skip}", f"--result={result}"]  # fmt: skip
+                    f"--skip={skip}", f"--targets={targets}", f"--result={result}"]  # fmt: skip
             before = machine_note()
             with Cluster(2, rate=rate) as cluster:
                 runs = launch(cluster, argv, result, per_host=PER_HOST, timeout=7200)
             notes[rate] = {"before": before, "loadavg_after": list(os.getloadavg())}
-            first = first or runs
-            if skip:
-                runs = {PEER: runs[PEER], TUNED: borrowed(first[TUNED], runs[PEER]), **runs}
+            runs = {**recorded, **runs}
             rows += summarise(rate, runs)
             notes[rate]["runs"] = runs
             record(args, rows, notes)  # after every rate: a later failure keeps these
@@ -328,9 +337,7 @@ def record(args: argparse.Namespace, rows: list[dict[str, Any]], notes: dict[str
         f"{args.eval_windows} windows; times exclude the evaluations. {load}.\n\n"
         f"{markdown(rows)}\n"
     )
-    write_results(
-        args.out, "diloco_time_to_loss", {"meta": meta, "rows": rows, "runs": notes}, text
-    )
+    write_results(args.out, args.name, {"meta": meta, "rows": rows, "runs": notes}, text)
     print(text)
 
 
