@@ -288,11 +288,9 @@ class AllReduceStrategy(Strategy):
         if p.grad is None or not self.config.overlap:
             return
         b, i = self._where[id(p)]
-        bucket = self._buckets[b]
-        if i in bucket.filled:
-            return
-        self._fill(bucket, i, p.grad)
-        self._launch_ready()
+        if i not in self._buckets[b].filled:
+            self._fill(self._buckets[b], i, p.grad)
+            self._launch_ready()
 
     def _fill(self, bucket: _Bucket, i: int, grad: torch.Tensor | None) -> None:
         slot = bucket.slots[i]
