@@ -31,6 +31,10 @@ spread between seeds is not measured). Writes ``diloco.json`` and
 
     python benchmarks/diloco.py [--steps 1000] [--width 64] [--layers 2] [--settings ...]
 
+``--peer SETTING`` (default ``allreduce``): the setting the "vs allreduce"
+ratios and the frontier are taken against, run first (e.g. ``"allreduce
+lr=4e-3"``, a tuned peer; ``results/diloco-horizon.md`` ran 4000 steps so).
+
 The last record ran ``--steps 1000`` with the settings its table lists.
 """
 
@@ -70,6 +74,7 @@ SETTINGS: dict[str, list[str]] = {
     # A higher inner lr (AdamW, warmup + cosine to 10 %): each worker steps on a
     # quarter of allreduce's batch. The peer at the same lr beside them.
     "allreduce lr=4e-3": ["--strategy", "allreduce", "--lr", "4e-3"],
+    "allreduce lr=8e-3": ["--strategy", "allreduce", "--lr", "8e-3"],
     **{
         f"diloco H=100 lr={lr}": ["--strategy", "diloco", "--inner-steps", "100", "--lr", lr]
         for lr in ("2e-3", "4e-3", "8e-3")
@@ -108,9 +113,15 @@ SETTINGS: dict[str, list[str]] = {
         "--strategy", "diloco", "--inner-steps", "100", "--fragments", "4", "--compress", "fp4",
         "--lr", "4e-3", "--outer-momentum", "0.6",
     ],
-    "diloco H=50 fp4 lr=4e-3 outer-momentum=0.8": [
-        "--strategy", "diloco", "--inner-steps", "50", "--compress", "fp4", "--lr", "4e-3",
-        "--outer-momentum", "0.8",
+    **{
+        f"diloco H=50 fp4 lr=4e-3 outer-momentum={m}": [
+            "--strategy", "diloco", "--inner-steps", "50", "--compress", "fp4", "--lr", "4e-3",
+            "--outer-momentum", m,
+        ]
+        for m in ("0.6", "0.8")
+    },
+    "diloco H=100 lr=8e-3 outer-momentum=0.6": [
+        "--strategy", "diloco", "--inner-steps", "100", "--lr", "8e-3", "--outer-momentum", "0.6"
     ],
     "streaming H=16 F=4 fp4 lr=4e-3": [
         "--strategy", "diloco", "--inner-steps", "16", "--fragments", "4", "--compress", "fp4",
@@ -138,8 +149,8 @@ def rank_main(
             queue.put(report)
 
 
-def summarise(report: dict[str, Any]) -> list[dict[str, Any]]:
-    peer = report[PEER]
+def summarise(report: dict[str, Any], peer_name: str = PEER) -> list[dict[str, Any]]:
+    peer = report[peer_name]
     return [
         {
             "setting": name,
@@ -184,9 +195,10 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated")
     parser.add_argument("--run-dir", default=None, help="keep the metrics (gradhub plot it)")
+    parser.add_argument("--peer", default=PEER, help="the setting the ratios are against")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
-    settings = [PEER] + [s for s in args.settings.split(",") if s and s != PEER]
+    settings = [args.peer] + [s for s in args.settings.split(",") if s and s != args.peer]
     unknown = [s for s in settings if s not in SETTINGS]
     if unknown:
         parser.error(f"unknown setting(s) {unknown}; choose from {list(SETTINGS)}")
@@ -200,7 +212,7 @@ def main() -> None:
         run_dir = args.run_dir or scratch
         report = rank_zero_result(rank_main, WORLD_SIZE, settings, model, run_dir, timeout=7200)
     after = os.getloadavg()
-    rows = summarise(report)
+    rows = summarise(report, args.peer)
     best = frontier(rows)
     meta = {
         "machine": platform.platform(),
@@ -216,7 +228,8 @@ def main() -> None:
     text = (
         f"examples/diloco_lm.py on {WORLD_SIZE} ranks ({os.cpu_count()} cores: they "
         f"time-slice), `{' '.join(model)}`, the same samples for every setting "
-        f"({rows[0]['samples']:,}); one-thread copy {before['copy_GBps_median']:.1f} GB/s; "
+        f"({rows[0]['samples']:,}); ratios against `{args.peer}`; one-thread copy "
+        f"{before['copy_GBps_median']:.1f} GB/s; "
         f"load average {before['loadavg'][0]:.2f} before, {after[0]:.2f} after.\n\n"
         f"{markdown(rows)}\n\nFrontier (fewest bytes within {TOLERANCE:.0%} of allreduce's "
         f"validation loss): {best or 'none'}.\n"
