@@ -63,3 +63,21 @@ def check_survivors(
     ranks = sorted(m["rank"] for m in found.values())
     assert ranks == list(range(len(survivors)))  # dense, in the old order:
     assert [m["rank"] for _, m in sorted(found.items())] == ranks
+
+
+def check_ps_sync(
+    found: dict[int, dict[str, Any]],
+    want: dict[str, torch.Tensor],
+    updates: int,
+    failed_steps: int | None = None,
+) -> None:
+    """Under ps-sync: the servers made ``updates`` updates (one per key and step),
+    each member (``failed_steps`` redone, where given) within :data:`TOLERANCE` of
+    the single process ``want``."""
+    for m in found.values():
+        assert m["pushes"]["updates"] == updates, m["pushes"]
+        if failed_steps is not None:
+            assert m["failed_steps"] == failed_steps
+        for name, value in m["params"].items():
+            diff = (value - want[name]).abs().max().item()
+            assert diff <= TOLERANCE, f"{name}: {diff:.2e} from the single process"

@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 import torch
 
-from survive_checks import STEPS, TOLERANCE, members
+from survive_checks import STEPS, check_ps_sync, members
 from survive_job import SAMPLES
 
 JOB = str(Path(__file__).with_name("survive_ps_job.py"))
@@ -63,16 +63,6 @@ def check_survivors(out: Path, survivors: list[int]) -> dict[int, dict[str, Any]
     return found
 
 
-def check_sync(found: dict[int, dict[str, Any]], want: dict[str, torch.Tensor]) -> None:
-    """Equal to the single process; one update per key and step on the server."""
-    for m in found.values():
-        assert m["pushes"]["updates"] == KEYS * STEPS, m["pushes"]
-        assert m["failed_steps"] == 1
-        for name, value in m["params"].items():
-            diff = (value - want[name]).abs().max().item()
-            assert diff <= TOLERANCE, f"{name}: {diff:.2e} from the single process"
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # a job of 5 processes, and the reference, on a loaded machine
 def test_ps_sync_fit_goes_on_over_the_survivors_of_a_kill_in_the_backward(
@@ -81,7 +71,7 @@ def test_ps_sync_fit_goes_on_over_the_survivors_of_a_kill_in_the_backward(
     out = tmp_path / "job"
     assert run_job(out, "sync", "--kill", "2:5:backward") == 0, (tmp_path / "job.log").read_text()
     found = check_survivors(out, [0, 1, 3])
-    check_sync(found, sgd)
+    check_ps_sync(found, sgd, KEYS * STEPS, failed_steps=1)
     assert all(m["result"]["redone"] == 1 for m in found.values())
 
 
@@ -99,7 +89,7 @@ def test_ps_sync_a_step_the_servers_applied_on_some_keys_is_completed_once(
     out = tmp_path / "job"
     assert run_job(out, "sync", "--kill", "2:5:pushing") == 0, (tmp_path / "job.log").read_text()
     found = check_survivors(out, [0, 1, 3])
-    check_sync(found, sgd)
+    check_ps_sync(found, sgd, KEYS * STEPS, failed_steps=1)
     assert all(m["pushes"]["push_superseded"] >= 1 for m in found.values())
 
 
@@ -116,11 +106,7 @@ def test_ps_sync_own_loop_survives_a_death_once_every_round_was_complete(
     code = run_job(out, "sync", "--kill", "1:9:pushed", "--loop")
     assert code == 0, (tmp_path / "job.log").read_text()
     found = check_survivors(out, [0, 2, 3])
-    for m in found.values():
-        assert m["pushes"]["updates"] == KEYS * STEPS, m["pushes"]
-        for name, value in m["params"].items():
-            diff = (value - sgd[name]).abs().max().item()
-            assert diff <= TOLERANCE, f"{name}: {diff:.2e} from the single process"
+    check_ps_sync(found, sgd, KEYS * STEPS)
 
 
 @pytest.mark.slow
