@@ -47,7 +47,12 @@ class SingleRankTransport(Transport):
         chunking: Chunking,
     ) -> None:
         start, length = ranges[0]
-        out[start : start + length].copy_(codec.decode(own_wire))
+        target = out[start : start + length]
+        if isinstance(codec, codecs.NoCompression) and own_wire.dtype == target.dtype:
+            if own_wire.data_ptr() != target.data_ptr():  # one copy, no decoded temporary
+                target.copy_(own_wire)
+        else:
+            target.copy_(codec.decode(own_wire))
 
     def broadcast(self, op: Operation, tensor: torch.Tensor, root: int) -> None:
         pass
