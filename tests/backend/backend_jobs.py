@@ -221,6 +221,22 @@ def operations_match_gloo(rank: int, world_size: int) -> dict[str, Any]:
     dist.barrier()
     assert dist.group.WORLD.transport == "shm"  # type: ignore[union-attr]
 
+    # barrier: nobody leaves before the last enters, behind the calls before it;
+    # with a timeout of its own (gloo's barrier then) too
+    import time
+
+    late = world_size - 1
+    pending = dist.all_reduce(torch.ones(4), async_op=True)
+    begin = time.monotonic()
+    if rank == late:
+        time.sleep(0.5)
+    dist.barrier()
+    waited = time.monotonic() - begin
+    assert pending.is_completed()
+    assert rank == late or waited >= 0.4, f"rank {rank} left the barrier after {waited:.2f}s"
+    dist.barrier(timeout=timedelta(seconds=30))
+    checked.append("barrier")
+
     # a CUDA tensor is a typed error pointing to NCCL
     try:
         dist.all_reduce(torch.ones(2, device="meta"))
@@ -238,8 +254,19 @@ def operations_match_gloo(rank: int, world_size: int) -> dict[str, Any]:
     dist.barrier()
 
     # a stalled peer: the operation fails within the group's timeout, naming it
-    import time
-
+    lone = dist.new_group(backend="gradhub", timeout=timedelta(seconds=2))
+    dist.all_reduce(torch.ones(8), group=lone)  # transports set up
+    begin = time.monotonic()
+    try:
+        if rank == late:
+            time.sleep(3)
+        dist.barrier(group=lone)
+    except gradhub.errors.CollectiveTimeoutError as exc:
+        assert rank != late and f"barrier timed out after 2s waiting for rank(s) {late}" in str(exc)
+        assert time.monotonic() - begin < 3, "not within the group's timeout"
+        checked.append("stalled barrier named")
+    except gradhub.GradhubError:
+        assert rank == late  # the late rank finds the others gone
     short = dist.new_group(backend="gradhub", timeout=timedelta(seconds=3))
     dist.all_reduce(torch.ones(8), group=short)  # transports set up
     begin = time.monotonic()

@@ -14,3 +14,5 @@ def test_operations_match_gloo() -> None:
     assert all("device error" in r.value["checked"] for r in results)
     assert "stalled peer named" in results[0].value["checked"]
     assert "silent peer named" in results[0].value["checked"]
+    assert all("barrier" in r.value["checked"] for r in results)
+    assert "stalled barrier named" in results[0].value["checked"]

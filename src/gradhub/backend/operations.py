@@ -5,11 +5,11 @@ Two paths:
 - **gradhub's transports** (shared memory on one host, hierarchical across
   hosts holding several ranks, the ring otherwise, chosen as ``gradhub.init``
   chooses): all-reduce, reduce-scatter and all-gather of dense fp32, bf16 and
-  fp16 tensors (reductions: ``SUM``, ``AVG`` and ``PREMUL_SUM``), and
-  broadcast of any dense tensor.
+  fp16 tensors (reductions: ``SUM``, ``AVG`` and ``PREMUL_SUM``), broadcast
+  of any dense tensor, and barrier (a one-element sum).
 - **the group's inner gloo group**, bounded and named through the same
   :class:`~gradhub.collective.CollectiveGroup`: everything else (other dtypes,
-  ``MAX``/``MIN``/``PRODUCT``/``BAND``/``BOR``/``BXOR``, all-to-all, barrier,
+  ``MAX``/``MIN``/``PRODUCT``/``BAND``/``BOR``/``BXOR``, all-to-all,
   gather, scatter, reduce), so those results are gloo's, bit for bit.
 
 Arguments were checked on the calling rank before the body was queued

@@ -32,6 +32,7 @@ Decisions:
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -42,6 +43,8 @@ from gradhub.backend import operations as ops
 from gradhub.backend.group_base import GroupBase, Tensors
 from gradhub.backend.operations import Reduction
 from gradhub.backend.work import GradhubWork, PeerWork
+
+_SUM = Reduction.of(dist.ReduceOp.SUM)
 
 
 class GradhubProcessGroup(GroupBase):
@@ -339,8 +342,21 @@ class GradhubProcessGroup(GroupBase):
 
     # ------------------------------------------------- rooted and barrier
     def barrier(self, opts: Any = None) -> GradhubWork:
+        """Every rank enters before any leaves: a one-element sum on gradhub's
+        transports, in call order behind the operations before it (on one
+        host the ranks leave within microseconds of each other, on the calling
+        thread where the worker is idle), bounded by the group's timeout; with a
+        timeout of its own (``dist.barrier(timeout=...)``), gloo's barrier."""
         opts = opts if opts is not None else dist.BarrierOptions()
-        return self._gloo("barrier", [], [], lambda pg, _, __: pg.barrier(opts))
+        if opts.timeout >= timedelta(0):  # torch's default is "unset": -1 ms
+            return self._gloo("barrier", [], [], lambda pg, _, __: pg.barrier(opts))
+        token = torch.zeros(1)
+        return self._submit(
+            "barrier",
+            [],
+            lambda: ops.transport_all_reduce(self._ctx, "barrier", [token], _SUM),
+            ops.nbytes([token]),
+        )
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> GradhubWork:
         opts = opts if opts is not None else dist.ReduceOptions()
