@@ -1,12 +1,18 @@
 """The shared-memory transport's additions (gradhub.transports.shm_sums) against
 the stated numerics, bit for bit: 16-bit values widened, added in fp32 in
-order, rounded once; every slice added on every rank in its owner's order."""
+order, rounded once; every slice added on every rank in its owner's order.
+The bf16 sums twice: by the C sum (gradhub._shm.bf16_sum, which must build
+on a machine with a C compiler) and by ATen, where the C sum is unavailable."""
 
 from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
 
 import pytest
 import torch
 
+from gradhub._shm import bf16_sum
 from gradhub.partition import partition_ranges
 from gradhub.transports.schedule import reduction_order
 from gradhub.transports.shm_sums import CHUNK, add_everywhere, add_widened
@@ -15,6 +21,39 @@ SPECIAL = {
     torch.bfloat16: [3.3e38, -3.3e38, 2.0**-133, 1.0, 2.0**-8, -0.0, 0.0, float("inf")],
     torch.float16: [65504.0, -65504.0, 2.0**-24, 1.0, 2.0**-11, -0.0, 0.0, float("-inf")],
 }
+
+
+@pytest.fixture(params=["C sum", "ATen"])
+def how(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Which adds bf16 values: the C sum or, with it made unavailable, ATen."""
+    if request.param == "C sum" and not bf16_sum.available():
+        pytest.skip("no C sum on this machine (no compiler?)")
+    saved = bf16_sum._library, bf16_sum._tried
+    if request.param == "ATen":
+        bf16_sum._library, bf16_sum._tried = None, True
+    yield request.param
+    bf16_sum._library, bf16_sum._tried = saved
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+def test_the_c_sum_builds_where_there_is_a_compiler() -> None:
+    assert bf16_sum.available()
+
+
+def test_the_c_sum_rounds_as_aten_for_every_bf16_value() -> None:
+    """Every bf16 bit pattern plus a shuffle of them, and plus its own
+    neighbour: ATen's bits (NaN: a NaN)."""
+    if not bf16_sum.available():
+        pytest.skip("no C sum on this machine (no compiler?)")
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    for other in (every[torch.randperm(every.numel(), generator=g)], every.roll(1)):
+        out = torch.empty_like(every)
+        assert bf16_sum.sum_bf16([every, other], out)
+        want = torch.add(every, other)
+        nan = want.isnan()
+        assert torch.equal(out.isnan(), nan)
+        assert torch.equal(out[~nan].view(torch.int16), want[~nan].view(torch.int16))
 
 
 def reference(parts: list[torch.Tensor], own: torch.Tensor) -> torch.Tensor:
@@ -40,7 +79,9 @@ def vectors(count: int, n: int, dtype: torch.dtype, seed: int) -> list[torch.Ten
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("ranks", [2, 3, 4])
 @pytest.mark.parametrize("n", [1, 1000, CHUNK + 7])
-def test_sum_is_the_fp32_sum_in_order_rounded_once(dtype: torch.dtype, ranks: int, n: int) -> None:
+def test_sum_is_the_fp32_sum_in_order_rounded_once(
+    dtype: torch.dtype, ranks: int, n: int, how: str
+) -> None:
     *parts, own = vectors(ranks, n, dtype, seed=ranks * 7 + n)
     want = reference(parts, own)
     out = torch.empty(n, dtype=dtype)
@@ -51,7 +92,7 @@ def test_sum_is_the_fp32_sum_in_order_rounded_once(dtype: torch.dtype, ranks: in
     assert torch.equal(own.view(torch.int16), want.view(torch.int16))
 
 
-def test_rounding_once_differs_from_rounding_per_addition() -> None:
+def test_rounding_once_differs_from_rounding_per_addition(how: str) -> None:
     """The case the fp32 accumulation exists for: in bf16 (unit roundoff
     2**-8) 1 + 2**-8 + 2**-8 rounds to 1 after each addition (ties to even),
     to 1 + 2**-7 when rounded once at the end."""
@@ -71,7 +112,7 @@ class _Group:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("ranks", [2, 3, 4])
-def test_every_slice_is_added_in_its_owners_order(dtype: torch.dtype, ranks: int) -> None:
+def test_every_slice_is_added_in_its_owners_order(dtype: torch.dtype, ranks: int, how: str) -> None:
     """What the reduce-scatter forms on the owner of each slice, formed for the
     whole vector on any rank (the one-synchronisation all-reduce)."""
     n = 1001
