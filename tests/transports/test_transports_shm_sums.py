@@ -28,11 +28,12 @@ def how(request: pytest.FixtureRequest) -> Iterator[str]:
     """Which adds bf16 values: the C sum or, with it made unavailable, ATen."""
     if request.param == "C sum" and not bf16_sum.available():
         pytest.skip("no C sum on this machine (no compiler?)")
-    saved = bf16_sum._library, bf16_sum._tried
+    bf16_sum.available()  # the build or load has ended: nothing sets it meanwhile
+    saved = bf16_sum._library
     if request.param == "ATen":
-        bf16_sum._library, bf16_sum._tried = None, True
+        bf16_sum._library = None  # as before the build has ended, or where it failed
     yield request.param
-    bf16_sum._library, bf16_sum._tried = saved
+    bf16_sum._library = saved
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")

@@ -9,7 +9,9 @@ to bf16 once, to nearest even, exactly as ATen's bf16 addition does for two
 (one NaN stays a NaN; its payload may differ from ATen's).
 
 The C source below is compiled once per machine with the system C compiler
-(``$CC``, else ``cc``), at the first bf16 sum, into the user's cache
+(``$CC``, else ``cc``), on a thread of its own started by the first bf16 sum
+(which, as every sum until the library is loaded, ATen forms: a build never
+delays a collective), into the user's cache
 (``$XDG_CACHE_HOME/gradhub``, else ``~/.cache/gradhub``), under a name that
 hashes the source, the flags and this CPU's feature flags (a home folder
 shared by machines of different CPUs holds one library per CPU), written to
@@ -30,6 +32,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -77,7 +80,8 @@ FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-fno-fast-math"]
 _BUILD_SECONDS = 120
 
 _library: ctypes.CDLL | None = None
-_tried = False
+_loading: threading.Thread | None = None
+_start = threading.Lock()
 
 
 def _cpu_flags() -> str:
@@ -129,22 +133,38 @@ def _build() -> ctypes.CDLL | None:
     return library
 
 
-def available() -> bool:
-    """Whether the C sum is built and loaded (building it on the first call)."""
-    global _library, _tried
-    if not _tried:
-        _library, _tried = _build(), True
+def _load() -> None:
+    global _library
+    _library = _build()
+
+
+def _started() -> threading.Thread:
+    """The thread that builds or loads the library, started at the first call."""
+    global _loading
+    with _start:
+        if _loading is None:
+            _loading = threading.Thread(target=_load, name="gradhub-bf16-sum", daemon=True)
+            _loading.start()
+        return _loading
+
+
+def available(wait: bool = True) -> bool:
+    """Whether the C sum is loaded; ``wait``: until its build or load has ended."""
+    loading = _started()
+    if wait:
+        loading.join()
     return _library is not None
 
 
 def sum_bf16(parts: list[torch.Tensor], out: torch.Tensor) -> bool:
     """``out`` = the fp32 sum of ``parts`` in their order, rounded to bf16 once,
-    if the C sum is available (else nothing is written); whether it was.
+    if the C sum is loaded (else nothing is written, and its build or load
+    starts on a thread of its own); whether it was.
     ``parts`` and ``out``: contiguous bf16 CPU tensors of one length, at least
     two parts; ``out`` may be one of them."""
-    if not available():
+    if _library is None:
+        _started()
         return False
-    assert _library is not None
     n = out.numel()
     if any(p.numel() != n or not p.is_contiguous() for p in parts) or not out.is_contiguous():
         raise InvalidOptionError("sum_bf16: parts and out must be contiguous and of one length")
