@@ -58,76 +58,41 @@ from gradhub.collective import local_group
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 WORLD_SIZE = 4
 PEER = "allreduce"
-SETTINGS: dict[str, list[str]] = {
-    PEER: ["--strategy", "allreduce"],
-    "allreduce powersgd": ["--strategy", "allreduce", "--compress", "powersgd"],
-    **{
-        f"diloco H={h}": ["--strategy", "diloco", "--inner-steps", str(h)]
-        for h in (10, 50, 100, 500)
-    },
-    **{
-        f"streaming H=100 F=4 {c}": [
-            "--strategy", "diloco", "--inner-steps", "100", "--fragments", "4", "--compress", c
-        ]
-        for c in ("bf16", "fp4")
-    },
-    # A higher inner lr (AdamW, warmup + cosine to 10 %): each worker steps on a
-    # quarter of allreduce's batch. The peer at the same lr beside them.
-    "allreduce lr=4e-3": ["--strategy", "allreduce", "--lr", "4e-3"],
-    "allreduce lr=8e-3": ["--strategy", "allreduce", "--lr", "8e-3"],
-    **{
-        f"diloco H=100 lr={lr}": ["--strategy", "diloco", "--inner-steps", "100", "--lr", lr]
-        for lr in ("2e-3", "4e-3", "8e-3")
-    },
-    **{
-        f"diloco H=100 outer-lr={olr}": [
-            "--strategy", "diloco", "--inner-steps", "100", "--outer-lr", olr
-        ]
-        for olr in ("0.4", "1.0")
-    },
-    "diloco H=100 lr=4e-3 outer-momentum=0.8": [
-        "--strategy", "diloco", "--inner-steps", "100", "--lr", "4e-3", "--outer-momentum", "0.8"
-    ],
-    "streaming H=32 F=4 fp4 lr=4e-3": [
-        "--strategy", "diloco", "--inner-steps", "32", "--fragments", "4", "--compress", "fp4",
-        "--lr", "4e-3",
-    ],
-    # 100x fewer bytes by syncing twice as often in half the bits, or 4x as often in fp4.
-    **{
-        f"diloco H=50 bf16 lr=4e-3{tail}": [
-            "--strategy", "diloco", "--inner-steps", "50", "--compress", "bf16", "--lr", "4e-3",
-            *extra,
-        ]
-        for tail, extra in (("", []), (" outer-momentum=0.8", ["--outer-momentum", "0.8"]))
-    },
-    **{
-        f"diloco H=100 lr=4e-3 outer-momentum={m}": [
-            "--strategy", "diloco", "--inner-steps", "100", "--lr", "4e-3", "--outer-momentum", m
-        ]
-        for m in ("0.6", "0.7")
-    },
-    "diloco H=200 lr=4e-3 outer-momentum=0.6": [
-        "--strategy", "diloco", "--inner-steps", "200", "--lr", "4e-3", "--outer-momentum", "0.6"
-    ],
-    "streaming H=100 F=4 fp4 lr=4e-3 outer-momentum=0.6": [
-        "--strategy", "diloco", "--inner-steps", "100", "--fragments", "4", "--compress", "fp4",
-        "--lr", "4e-3", "--outer-momentum", "0.6",
-    ],
-    **{
-        f"diloco H=50 fp4 lr=4e-3 outer-momentum={m}": [
-            "--strategy", "diloco", "--inner-steps", "50", "--compress", "fp4", "--lr", "4e-3",
-            "--outer-momentum", m,
-        ]
-        for m in ("0.6", "0.8")
-    },
-    "diloco H=100 lr=8e-3 outer-momentum=0.6": [
-        "--strategy", "diloco", "--inner-steps", "100", "--lr", "8e-3", "--outer-momentum", "0.6"
-    ],
-    "streaming H=16 F=4 fp4 lr=4e-3": [
-        "--strategy", "diloco", "--inner-steps", "16", "--fragments", "4", "--compress", "fp4",
-        "--lr", "4e-3",
-    ],
-}  # fmt: skip
+SETTINGS = [
+    PEER,
+    "allreduce powersgd",
+    *(f"diloco H={h}" for h in (10, 50, 100, 500)),
+    *(f"streaming H=100 F=4 {c}" for c in ("bf16", "fp4")),
+]
+"""The default settings; any name :func:`flags` parses is a setting (the
+records' tuned ones: ``"allreduce lr=8e-3"``, ``"diloco H=50 fp4 lr=8e-3
+outer-momentum=0.8"``, ``"streaming H=100 F=4 fp4 lr=4e-3 outer-lr=1.0"``)."""
+_FLAGS = {"H": "--inner-steps", "F": "--fragments", "lr": "--lr"}
+_FLAGS |= {"outer-lr": "--outer-lr", "outer-momentum": "--outer-momentum"}
+
+
+def flags(setting: str) -> list[str]:
+    """The example's flags of a setting: its strategy (``allreduce``, ``diloco``,
+    ``streaming``: diloco with fragments), then words ``KEY=VALUE`` (``H``,
+    ``F``, ``lr``, ``outer-lr``, ``outer-momentum``) and a compression
+    (``powersgd``; ``bf16``, ``fp4``)."""
+    strategy, *words = setting.split()
+    if strategy not in ("allreduce", "diloco", "streaming"):
+        raise ValueError(f"{setting!r}: starts with allreduce, diloco or streaming")
+    out = ["--strategy", "allreduce" if strategy == "allreduce" else "diloco"]
+    for word in words:
+        key, _, value = word.partition("=")
+        if value and key in _FLAGS:
+            out += [_FLAGS[key], value]
+        elif not value and word in ("powersgd", "bf16", "fp4"):
+            out += ["--compress", word]
+        else:
+            raise ValueError(f"{setting!r}: unknown word {word!r}")
+    if (strategy == "streaming") != ("--fragments" in out):
+        raise ValueError(f"{setting!r}: streaming, and only streaming, names F=")
+    return out
+
+
 TOLERANCE = 0.02  # within 2 % of allreduce's validation loss
 
 
@@ -143,7 +108,7 @@ def rank_main(
         for name in settings:
             begin = time.perf_counter()
             folder = f"{run_dir}/{name.replace(' ', '_')}"
-            out = diloco_lm.main([*SETTINGS[name], *model, "--run-dir", folder])
+            out = diloco_lm.main([*flags(name), *model, "--run-dir", folder])
             report[name] = {**out, "seconds": time.perf_counter() - begin}
         if rank == 0:
             queue.put(report)
@@ -199,9 +164,11 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     settings = [args.peer] + [s for s in args.settings.split(",") if s and s != args.peer]
-    unknown = [s for s in settings if s not in SETTINGS]
-    if unknown:
-        parser.error(f"unknown setting(s) {unknown}; choose from {list(SETTINGS)}")
+    for setting in settings:
+        try:
+            flags(setting)
+        except ValueError as exc:
+            parser.error(str(exc))
     model = [
         *("--width", str(args.width), "--layers", str(args.layers), "--steps", str(args.steps)),
         *("--batch", str(args.batch), "--seq", str(args.seq), "--device", "cpu"),

@@ -13,8 +13,9 @@ settings of the same names:
 - ``allreduce`` (inner lr 1e-3, the example's) and ``allreduce lr=4e-3``
   (the tuned peer): ``--steps`` steps each, evaluated every ``--eval-every``
   steps; each one's final validation loss is a target;
-- ``diloco H=100 lr=4e-3 outer-momentum=0.6`` and its streaming form
-  (``F=4 fp4``): evaluated every H steps, right after the outer step, on the
+- the ``--contenders`` (default ``diloco H=100 lr=4e-3 outer-momentum=0.6``
+  and its streaming form, ``F=4 fp4``; any of ``diloco.py``'s settings):
+  evaluated every H steps, right after the outer step, on the
   shared weights (the strategy's ``shared``: the last sync's, for every
   fragment); they train until their loss is at or below every target of the
   round, or ``--cap`` steps (the learning rate stays at its 10 % floor past
@@ -75,7 +76,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 PEER, TUNED = "allreduce", "allreduce lr=4e-3"
 DILOCO = "diloco H=100 lr=4e-3 outer-momentum=0.6"
 STREAMING = "streaming H=100 F=4 fp4 lr=4e-3 outer-momentum=0.6"
-CONTENDERS = [PEER, TUNED, DILOCO, STREAMING]
+CONTENDERS = [DILOCO, STREAMING]
+"""The default ``--contenders`` (any of ``diloco.py``'s settings), run after the peers."""
 PEERS = (PEER, TUNED)
 PER_HOST = 2
 LINKS = {"100mbit": 100_000_000, "10mbit": 10_000_000}
@@ -85,11 +87,11 @@ def example_args(name: str, args: argparse.Namespace) -> argparse.Namespace:
     """The example's arguments for contender ``name`` (``diloco.py``'s flags)."""
     import diloco_lm
 
-    from diloco import SETTINGS
+    from diloco import flags
 
     model = ["--width", str(args.width), "--layers", str(args.layers), "--steps", str(args.steps),
              "--batch", str(args.batch), "--seq", str(args.seq), "--device", "cpu"]  # fmt: skip
-    return diloco_lm.parse_args([*SETTINGS[name], *model])
+    return diloco_lm.parse_args([*flags(name), *model])
 
 
 def lr_scale(step: int, steps: int) -> float:
@@ -166,7 +168,8 @@ def worker(args: argparse.Namespace) -> None:
     import gradhub
 
     torch.set_num_threads(1)
-    names = [n for n in CONTENDERS if n not in args.skip.split(",")]
+    contenders = [*PEERS, *args.contenders.split(",")]
+    names = [n for n in contenders if n not in args.skip.split(",")]
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     with gradhub.init(timeout=1800) as runtime:
         for r in range(args.rounds):
@@ -265,6 +268,9 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument(
+        "--contenders", default=",".join(CONTENDERS), help="diloco.py settings, comma-separated"
+    )
     parser.add_argument("--peers-from", default=None, help="a record whose peer runs to reuse")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     parser.add_argument("--name", default="diloco_time_to_loss", help="the results' file name")
@@ -300,7 +306,7 @@ def main() -> None:
     ]
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
              if k in ("steps", "cap", "eval_every", "eval_windows", "batch", "seq", "width",
-                      "layers")]  # fmt: skip
+                      "layers", "contenders")]  # fmt: skip
     rows: list[dict[str, Any]] = []
     notes: dict[str, Any] = {}
     peers = json.loads(Path(args.peers_from).read_text())["runs"] if args.peers_from else {}
