@@ -7,7 +7,9 @@ on a machine with a C compiler) and by ATen, where the C sum is unavailable."""
 from __future__ import annotations
 
 import shutil
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,6 +41,21 @@ def how(request: pytest.FixtureRequest) -> Iterator[str]:
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 def test_the_c_sum_builds_where_there_is_a_compiler() -> None:
     assert bf16_sum.available()
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+def test_the_c_sum_is_kept_in_the_temporary_folder_where_the_cache_is_unwritable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    blocked = tmp_path / "a file"
+    blocked.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))  # its gradhub/ cannot be made
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    assert bf16_sum._build() is not None
+    assert list((tmp_path / "tmp").glob("gradhub-*/sum_bf16-*.so"))
+    monkeypatch.setenv("GRADHUB_NATIVE", "0")
+    assert bf16_sum._build() is None
 
 
 def test_the_c_sum_rounds_as_aten_for_every_bf16_value() -> None:

@@ -13,7 +13,8 @@ The C source below is compiled once per machine with the system C compiler
 (``$CC``, else ``cc``), on a thread of its own started by the first bf16 sum
 (which, as every sum until the library is loaded, ATen forms: a build never
 delays a collective), into the user's cache
-(``$XDG_CACHE_HOME/gradhub``, else ``~/.cache/gradhub``), under a name that
+(``$XDG_CACHE_HOME/gradhub``, else ``~/.cache/gradhub``; where that cannot be
+written, ``gradhub-<uid>`` in the temporary folder), under a name that
 hashes the source, the flags and this CPU's feature flags (a home folder
 shared by machines of different CPUs holds one library per CPU), written to
 a temporary name and renamed (ranks that build it at once do not meet
@@ -95,9 +96,34 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _cache() -> Path:
+def _caches() -> list[Path]:
+    """Where the library may be kept: the user's cache, else the temporary folder."""
     root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(root) / "gradhub"
+    return [Path(root) / "gradhub", Path(tempfile.gettempdir()) / f"gradhub-{os.getuid()}"]
+
+
+def _build_in(folder: Path, name: str, compiler: str | None) -> ctypes.CDLL | None:
+    """The library ``folder/name``, built there first if it is not yet."""
+    target = folder / name
+    if not target.exists():
+        if compiler is None:
+            return None
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=folder) as scratch:
+            source, built = Path(scratch, "sum.c"), Path(scratch, "sum.so")
+            source.write_text(SOURCE)
+            subprocess.run(
+                [compiler, *FLAGS, "-o", str(built), str(source)],
+                check=True,
+                capture_output=True,
+                timeout=_BUILD_SECONDS,
+            )
+            os.replace(built, target)
+    library = ctypes.CDLL(str(target))
+    function = library.gradhub_sum_bf16
+    function.restype = None
+    function.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t]
+    return library
 
 
 def _build() -> ctypes.CDLL | None:
@@ -108,30 +134,12 @@ def _build() -> ctypes.CDLL | None:
         return None
     compiler = shutil.which(os.environ.get("CC", "cc"))
     key = hashlib.sha256("\0".join([SOURCE, *FLAGS, _cpu_flags()]).encode()).hexdigest()[:16]
-    target = _cache() / f"sum_bf16-{key}.so"
-    try:
-        if not target.exists():
-            if compiler is None:
-                return None
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-                source, built = Path(scratch, "sum.c"), Path(scratch, "sum.so")
-                source.write_text(SOURCE)
-                subprocess.run(
-                    [compiler, *FLAGS, "-o", str(built), str(source)],
-                    check=True,
-                    capture_output=True,
-                    timeout=_BUILD_SECONDS,
-                )
-                os.replace(built, target)
-        library = ctypes.CDLL(str(target))
-    except (OSError, subprocess.SubprocessError) as exc:
-        _log.debug("the C bf16 sum is unavailable (ATen adds instead): %s", exc)
-        return None
-    function = library.gradhub_sum_bf16
-    function.restype = None
-    function.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t]
-    return library
+    for folder in _caches():
+        try:
+            return _build_in(folder, f"sum_bf16-{key}.so", compiler)
+        except (OSError, subprocess.SubprocessError) as exc:  # read-only, or the build failed
+            _log.debug("the C bf16 sum is not in %s (ATen adds instead): %s", folder, exc)
+    return None
 
 
 def _load() -> None:
