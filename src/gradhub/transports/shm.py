@@ -37,8 +37,11 @@ values up to ``ONE_SYNC_BYTES`` (1 MiB) over the number of other ranks is one
 operation: every rank writes its whole vector, then adds every slice itself
 (:mod:`.shm_sums`, the same bits); above it, adding only its own slice and
 copying the others' sums out costs less than the second synchronisation
-(measured with 2 ranks: 2 MB of fp32 or bf16 take 0.9x the one-operation
-time that way, 1 MB 1.1x).
+(measured with 2 ranks: 2 MB of fp32 take 0.9x the one-operation time that
+way, 1 MB 1.1x). bf16 values, which the C sum adds at about twice ATen's
+speed, take one operation up to ``ONE_SYNC_BF16_BYTES`` (2 MiB: with 2
+ranks, 1M bf16 elements took 1.30x DeepSpeed's time in two operations,
+1.16x in one, `benchmarks/backend.py` alternating both).
 
 All-gather from the owners' memory: where every rank may read every other
 rank's memory (``process_vm_readv``, :mod:`gradhub._shm.cma`; agreed at
@@ -118,6 +121,7 @@ from gradhub.transports.shm_sums import add_everywhere, add_values
 _log = logging.getLogger("gradhub.collective")
 
 ONE_SYNC_BYTES = 1 << 20
+ONE_SYNC_BF16_BYTES = 2 << 20
 CROSS_READ_BYTES = 4 << 20
 
 Segments = Sequence[Sequence[tuple[int, int]]]
@@ -199,10 +203,12 @@ class ShmTransport(Transport):
     def all_reduce(
         self, op: Operation, flat: torch.Tensor, codec: codecs.Codec, chunking: Chunking
     ) -> None:
-        """Plain values of at most :data:`ONE_SYNC_BYTES` / (ranks - 1): one
+        """Plain values of at most :data:`ONE_SYNC_BYTES` (bf16:
+        :data:`ONE_SYNC_BF16_BYTES`) / (ranks - 1): one
         synchronisation, every rank adds every slice (:func:`.shm_sums.add_everywhere`)."""
         plain = isinstance(codec, codecs.NoCompression)
-        if not plain or flat.numel() * flat.element_size() * (self.size - 1) > ONE_SYNC_BYTES:
+        limit = ONE_SYNC_BF16_BYTES if flat.dtype == torch.bfloat16 else ONE_SYNC_BYTES
+        if not plain or flat.numel() * flat.element_size() * (self.size - 1) > limit:
             return super().all_reduce(op, flat, codec, chunking)
         k, regions = self._begin(op, flat.numel(), flat.dtype)
         regions[self.index].copy_(flat)
