@@ -67,8 +67,13 @@ SETTINGS = [
 """The default settings; any name :func:`flags` parses is a setting (the
 records' tuned ones: ``"allreduce lr=8e-3"``, ``"diloco H=50 fp4 lr=8e-3
 outer-momentum=0.8"``, ``"streaming H=100 F=4 fp4 lr=4e-3 outer-lr=1.0"``)."""
-_FLAGS = {"H": "--inner-steps", "F": "--fragments", "lr": "--lr"}
-_FLAGS |= {"outer-lr": "--outer-lr", "outer-momentum": "--outer-momentum"}
+_FLAGS = {
+    "H": "--inner-steps",
+    "F": "--fragments",
+    "lr": "--lr",
+    "outer-lr": "--outer-lr",
+    "outer-momentum": "--outer-momentum",
+}
 
 
 def flags(setting: str) -> list[str]:

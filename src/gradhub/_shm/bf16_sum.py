@@ -157,20 +157,20 @@ def _started() -> threading.Thread:
         return _loading
 
 
-def available(wait: bool = True) -> bool:
-    """Whether the C sum is loaded; ``wait``: until its build or load has ended."""
-    loading = _started()
-    if wait:
-        loading.join()
+def available() -> bool:
+    """Whether the C sum is loaded, once its build or load has ended (waiting for it)."""
+    _started().join()
     return _library is not None
 
 
 def sum_bf16(parts: list[torch.Tensor], out: torch.Tensor) -> bool:
     """``out`` = the fp32 sum of ``parts`` in their order, rounded to bf16 once,
-    if the C sum is loaded (else nothing is written, and its build or load
-    starts on a thread of its own); whether it was.
-    ``parts`` and ``out``: contiguous bf16 CPU tensors of one length, at least
-    two parts; ``out`` may be one of them."""
+    if ``out`` is bf16 and the C sum is loaded (else nothing is written; a bf16
+    sum before the library is loaded starts its build or load on a thread of its
+    own); whether it was. ``parts`` and ``out``: contiguous CPU tensors of one
+    dtype and length, at least two parts; ``out`` may be one of them."""
+    if out.dtype != torch.bfloat16:
+        return False
     if _library is None:
         _started()
         return False

@@ -45,7 +45,7 @@ def add_widened(
     that dtype, may be ``own``; ``scratch``: fp32, at least ``min(len, CHUNK)``
     elements (unused for one part).
     """
-    if own.dtype == torch.bfloat16 and bf16_sum.sum_bf16([*parts, own], out):
+    if bf16_sum.sum_bf16([*parts, own], out):
         return
     if len(parts) == 1:  # fp32(a) + fp32(b), rounded once: ATen's 16-bit addition
         torch.add(parts[0], own, out=out)
@@ -85,7 +85,7 @@ def add_everywhere(regions: list[torch.Tensor], out: torch.Tensor, group: Collec
     owner's :func:`~.schedule.reduction_order`."""
     size = len(regions)
     if size == 2:  # a + b = b + a (also widened and rounded once): one addition
-        if out.dtype != torch.bfloat16 or not bf16_sum.sum_bf16(regions, out):
+        if not bf16_sum.sum_bf16(regions, out):
             torch.add(regions[0], regions[1], out=out)
         return
     for c, (s, n) in enumerate(partition_ranges(out.numel(), size)):
