@@ -14,12 +14,16 @@ from gradhub.demo.threads import (
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_threaded_coordinator_training_reaches_90_percent(seed: int) -> None:
-    config = ThreadedConfig(workers=4, epochs=5, learning_rate=1.0, seed=seed)
+    # The README's setting (20 epochs). The threads' interleaving decides how
+    # stale each gradient is, so the accuracy varies from run to run: over 30
+    # runs each with two cores kept busy, seed 1 gave 0.931-0.953 at 20 epochs
+    # (0.904-0.94 at 5, too close to the bound; once 0.886 in CI).
+    config = ThreadedConfig(workers=4, epochs=20, learning_rate=1.0, seed=seed)
     result = train_softmax_threaded(config)
     assert result.test_accuracy >= 0.90
     # Every worker adds one gradient per mini-batch: 1348 training samples in
     # batches of 64 give 22 batches per epoch, each split over 4 workers.
-    assert result.gradients_applied == 5 * 22 * 4
+    assert result.gradients_applied == 20 * 22 * 4
     # The rate is the count over the measured wall time, which is positive.
     assert result.wall_seconds > 0
     assert result.gradients_per_second == pytest.approx(
