@@ -103,6 +103,7 @@ Decisions:
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -117,7 +118,7 @@ from gradhub.optim import OptimizerSpec
 from gradhub.runtime import Runtime
 from gradhub.train.strategies.base import Strategy
 from gradhub.train.strategies.sharded_ahead import StepAhead
-from gradhub.train.strategies.sharded_buckets import GradientBuckets
+from gradhub.train.strategies.sharded_buckets import GradientBuckets, PieceGradients
 from gradhub.train.strategies.sharded_config import ShardedConfig
 from gradhub.train.strategies.sharded_state import (
     ShardResponder,
@@ -136,6 +137,10 @@ from gradhub.train.strategies.step_flags import StepFlags
 _FLOATS = (str(torch.float32), str(torch.bfloat16), str(torch.float16))
 
 
+def _ignored(p: torch.Tensor) -> None:
+    return None
+
+
 class ShardedStrategy(ShardedSurvival, Strategy):
     """Reduce-scatter, all-gather of the gradient, owner-side step (ZeRO-1), all-gather."""
 
@@ -151,11 +156,12 @@ class ShardedStrategy(ShardedSurvival, Strategy):
         self._grad = torch.zeros(0)  # fp32: the wire's (reduce-scatter input, all-gather output)
         self._model_grad = self._grad  # what .grad views: _grad itself, or a 16-bit copy
         self._grad_views: list[torch.Tensor] = []
-        self._cuts: tuple[Any, Any, list[torch.Tensor]] = (None, None, [])  # _piece_gradients
+        self._cuts: PieceGradients | None = None  # _piece_gradients
         self._arp: AllReduceParameter | None = None
         self._opt: ShardedOptimizer | None = None
         self._responder: ShardResponder | None = None
         self._buckets: GradientBuckets | None = None
+        self._on_ready: Callable[[torch.Tensor], None] = _ignored
         self._by_count = False
         self._flags: StepFlags | None = None
         self._ahead: StepAhead | None = None
@@ -206,6 +212,7 @@ class ShardedStrategy(ShardedSurvival, Strategy):
             offset += p.numel()
         self._spec = spec
         self._sizes = [[p.numel() for p in g] for g in self._groups]
+        self._every = [True] * len(self.params)
         self._check_survivable(self.config.compress)
         if self.runtime.joined is not None:  # a replacement: its slice from the survivors
             self._join_sharded()
@@ -240,6 +247,7 @@ class ShardedStrategy(ShardedSurvival, Strategy):
         wanted = wanted and not self.runtime.survive  # a failed step must change nothing
         ahead = StepAhead.made(self._opt, self._arp, self.runtime, self.params, wanted)
         self._buckets.ahead = self._ahead = ahead
+        self._on_ready = self._buckets.ready if self.config.overlap else _ignored
         self._start_responder()  # last: a request may come as soon as it runs
 
     def _bind(self) -> None:
@@ -316,19 +324,17 @@ class ShardedStrategy(ShardedSurvival, Strategy):
         self._buckets.begin(scale, gather=not self._by_count, live=self.optimizer.param_groups)
 
     def _grad_ready(self, p: torch.Tensor) -> None:
-        if self.config.overlap:
-            assert self._buckets is not None
-            self._buckets.ready(p)
+        self._on_ready(p)  # the buckets' ready, where they overlap the backward
 
     def _finish_backward(self) -> None:
         """Complete the reduce-scatters, all-gather the sums, point ``.grad`` at them."""
         assert self._arp is not None and self._buckets is not None
-        self._buckets.finish()
+        had = self._buckets.finish()  # None: every parameter had a gradient
         group = self.runtime.group
         # Per parameter: ranks that hold a gradient; last: the summed sample count.
         assert self._flags is not None
         count = self._samples[0] if self._by_count and self._samples else 0
-        self._flags.write([p.grad is not None for p in self.params], count, self._joining())
+        self._flags.write(self._every if had is None else had, count, self._joining())
         counted = self._flags.launch()  # queued behind the reduce-scatters
         reduced = self._arp.aggregate_gradient_partition()
         used, total = self._flags.read(None if counted is None else counted.wait)
@@ -345,10 +351,11 @@ class ShardedStrategy(ShardedSurvival, Strategy):
             )
         if self._model_grad is not self._grad:
             self._model_grad.copy_(self._grad)  # rounded once, the same on every rank
+        every = bool(used.all())
         for p, view, anywhere in zip(self.params, self._grad_views, used, strict=True):
-            if anywhere and p.grad is not view:
-                p.grad = view
-        self._buckets.backward_done(bool(used.all()))
+            if every or (anywhere and p.grad is not view):
+                p.grad = view  # (where every one was used: cheaper than reading it first)
+        self._buckets.backward_done(every)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """torch's clip over ``model.parameters()`` (its order: the same bits as
@@ -375,22 +382,12 @@ class ShardedStrategy(ShardedSurvival, Strategy):
         (self._ahead.gather() if self._ahead else self._arp.get_weights(self._flat)).wait()
 
     def _piece_gradients(self, pieces: list[Piece]) -> list[torch.Tensor | None]:
-        """Each piece's fp32 gradient from its parameter's ``.grad``: where that is
-        still the fp32 combined gradient's view, its slice cut once per set of pieces."""
-        views, cuts = self._grad_views, self._cuts[2]
-        if self._cuts[0] is not pieces or self._cuts[1] is not views:
-            cuts = [views[q.index].view(-1)[q.offset :][: q.view.numel()] for q in pieces]
-            self._cuts = (pieces, views, cuts)
-        grads: list[torch.Tensor | None] = []
-        for piece, cut in zip(pieces, cuts, strict=True):
-            grad = self.params[piece.index].grad
-            if grad is views[piece.index] and self._model_grad is self._grad:
-                grad = cut  # (views are never None)
-            elif grad is not None:
-                flat = grad.detach().reshape(-1)
-                grad = flat[piece.offset : piece.offset + piece.view.numel()].float()
-            grads.append(grad)
-        return grads
+        """Each piece's fp32 gradient from its parameter's ``.grad``."""
+        cut = self._cuts
+        if cut is None or cut.pieces is not pieces or cut.views is not self._grad_views:
+            combined = self._model_grad is self._grad
+            cut = self._cuts = PieceGradients(self.params, pieces, self._grad_views, combined)
+        return cut()
 
     def _count_step(self) -> None:
         super()._step_done()

@@ -2,10 +2,14 @@
 
 The flat gradient vector (the parameters' order) is cut into buckets of
 about ``bucket_mb`` megabytes, last parameters first (backward's order).
-Each parameter's accumulated ``.grad``, times this rank's weight, is written
-into its slot as its hook fires; a full bucket's reduce-scatter starts at
-once on the group's worker, buckets strictly in the same order on every
-rank (:meth:`~gradhub.collective.AllReduceParameter.put_gradient_segment`).
+Each parameter's accumulated ``.grad`` is noted as its hook fires; once a
+bucket's are all there, they are copied into their slots in one operation
+(``torch._foreach_copy_``), the bucket is multiplied by this rank's weight
+in one more (each element rounded once: the bits of a per-parameter
+``mul``), and its reduce-scatter starts at once on the group's worker,
+buckets strictly in the same order on every rank
+(:meth:`~gradhub.collective.AllReduceParameter.put_gradient_segment`).
+Per parameter and step the host then does no tensor operation of its own.
 
 With ``gather=True`` the bucket's all-gather is queued right behind its
 reduce-scatter: each rank's summed part of the bucket (encoded with the
@@ -20,6 +24,7 @@ gathers after :meth:`GradientBuckets.finish`. With an :attr:`GradientBuckets.ahe
 
 from __future__ import annotations
 
+from operator import attrgetter, is_
 from typing import Any
 
 import torch
@@ -27,6 +32,7 @@ import torch
 from gradhub import codecs
 from gradhub.collective import AllReduceParameter, CollectiveFuture, CollectiveGroup
 from gradhub.collective.collectives import run_all_gather
+from gradhub.collective.sharded_optimizer import Piece
 from gradhub.partition import segment_ranges
 from gradhub.train.strategies.replicas import factor
 from gradhub.train.strategies.sharded_ahead import StepAhead
@@ -45,8 +51,8 @@ class GradientBuckets:
     ) -> None:
         self._params, self._grad, self._arp, self._group = params, grad, arp, group
         self._buckets: list[tuple[int, int]] = []  # (offset, numel) in the flat vector
-        # id(param) -> (bucket, its slot in grad, the slot shaped as the parameter)
-        self._slot: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
+        # id(param) -> (its bucket, its slot in grad shaped as the parameter)
+        self._slot: dict[int, tuple[int, torch.Tensor]] = {}
         self._sizes: list[int] = []  # parameters per bucket
         offsets, total = [], 0
         for p in params:
@@ -60,15 +66,18 @@ class GradientBuckets:
                 self._buckets.append((end - size, size))
                 self._sizes.append(count)
                 end, size, count = end - size, 0, 0
-            slot = grad[offsets[i] : offsets[i] + n]
-            self._slot[id(params[i])] = (len(self._buckets), slot, slot.view(params[i].shape))
+            slot = grad[offsets[i] : offsets[i] + n].view(params[i].shape)
+            self._slot[id(params[i])] = (len(self._buckets), slot)
             size, count = size + n, count + 1
         self._buckets.append((end - size, size))
         self._sizes.append(count)
+        self._segments = [grad[offset : offset + n] for offset, n in self._buckets]
         self._ready = [0] * len(self._buckets)
+        # Per bucket, the gradients taken and their slots: copied at its launch.
+        self._taken: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
         self._filled: set[int] = set()
         self._next = 0
-        self._scale = factor(1.0)
+        self._scale, self._scale_value = factor(1.0), 1.0
         self._gather = False
         self._gathers: list[CollectiveFuture[torch.Tensor]] = []
         self.ahead: StepAhead | None = None
@@ -78,25 +87,49 @@ class GradientBuckets:
         """A synchronising backward starts: this rank's gradients count ``scale``
         times (``live``: the script's parameter groups, for :attr:`ahead`)."""
         self._ready = [0] * len(self._buckets)
+        self._taken = [([], []) for _ in self._buckets]
         self._filled.clear()
         self._next = 0
-        self._scale, self._gather = factor(scale), gather
+        if scale != self._scale_value:  # one tensor per weight, not one per step
+            self._scale, self._scale_value = factor(scale), scale
+        self._gather = gather
         self._gathers = []
         if self.ahead is not None:
             self.ahead.begin(live, wanted=gather)
 
     def ready(self, p: torch.Tensor) -> None:
-        """``p.grad`` holds its accumulated gradient: fill its slot, launch full buckets."""
-        if p.grad is not None and id(p) not in self._filled:
-            self._fill(p)
+        """``p.grad`` holds its accumulated gradient: take it, launch full buckets."""
+        grad, key = p.grad, id(p)
+        if grad is not None and key not in self._filled and self._take(key, grad):
             self._launch_ready()
 
-    def finish(self) -> None:
-        """Backward ended: fill every slot not filled yet (zeros where no ``.grad``), launch."""
+    def finish(self) -> list[bool] | None:
+        """Backward ended: take every gradient not taken yet (zeros where no
+        ``.grad``), launch. Returns per parameter whether it had a ``.grad``, or
+        None where every one had."""
+        if len(self._filled) == len(self._params):
+            self._launch_ready()
+            return None
+        had: list[bool] = []
+        zeros: list[torch.Tensor] = []
         for p in self._params:
-            if id(p) not in self._filled:
-                self._fill(p)
+            key = id(p)
+            if key in self._filled:
+                had.append(True)
+                continue
+            grad = p.grad
+            had.append(grad is not None)
+            if grad is None:
+                b, slot = self._slot[key]
+                zeros.append(slot)
+                self._filled.add(key)
+                self._ready[b] += 1
+            else:
+                self._take(key, grad)
+        if zeros:
+            torch._foreach_zero_(zeros)
         self._launch_ready()
+        return had
 
     def wait_gathered(self) -> bool:
         """Whether the buckets were gathered during backward (then wait for the last ones)."""
@@ -109,19 +142,22 @@ class GradientBuckets:
         if self.ahead is not None:
             self.ahead.backward_done(all_used, len(self._buckets))
 
-    def _fill(self, p: torch.Tensor) -> None:
-        b, slot, shaped = self._slot[id(p)]
-        grad = p.grad
-        if grad is None:
-            slot.zero_()
-        elif grad.data_ptr() == slot.data_ptr() and grad.is_contiguous():
-            slot.mul_(self._scale)  # .grad is already this view (the last combined gradient)
-        elif grad.dtype == torch.float32:
-            torch.mul(grad, self._scale, out=shaped)
-        else:  # 16-bit parameters: weighted and summed in fp32
-            slot.copy_(grad.reshape(-1)).mul_(self._scale)
-        self._filled.add(id(p))
+    def _take(self, key: int, grad: torch.Tensor) -> bool:
+        """Note ``grad`` (parameter ``id`` ``key``) for its bucket's copy; whether
+        that filled the bucket."""
+        b, slot = self._slot[key]
+        if grad.data_ptr() != slot.data_ptr():
+            grads, slots = self._taken[b]
+            grads.append(grad)
+            slots.append(slot)
+        elif not grad.is_contiguous():  # overlaps its slot without being it
+            grads, slots = self._taken[b]
+            grads.append(grad.clone())
+            slots.append(slot)
+        # else .grad is its slot already (the last combined gradient): nothing to copy
+        self._filled.add(key)
         self._ready[b] += 1
+        return self._ready[b] == self._sizes[b]
 
     def _launch_ready(self) -> None:
         while self._next < len(self._buckets):
@@ -129,7 +165,14 @@ class GradientBuckets:
             if self._ready[b] < self._sizes[b]:
                 return
             offset, n = self._buckets[b]
-            self._arp.put_gradient_segment(self._grad[offset : offset + n], offset)
+            segment = self._segments[b]
+            grads, slots = self._taken[b]
+            if grads:  # one operation per bucket, not one per parameter
+                torch._foreach_copy_(slots, grads)  # 16-bit gradients widened exactly
+            self._taken[b] = ([], [])
+            if self._scale_value != 1.0:  # x * 1 is x: no pass over the bucket then
+                segment.mul_(self._scale)  # each element rounded once, as by a fused mul
+            self._arp.put_gradient_segment(segment, offset)
             if self._gather:
                 self._gathers.append(self._gather_segment(offset, n))
                 if self.ahead is not None:
@@ -153,3 +196,45 @@ class GradientBuckets:
             )
 
         return group.submit("gradient all_gather", body)
+
+
+_GRAD = attrgetter("grad")
+
+
+class PieceGradients:
+    """Each piece's fp32 gradient (``step_pieces``' argument) from its parameter's
+    ``.grad``: where every one is still the combined gradient's view (the usual
+    step), one list of slices of it, cut once; else cut per step."""
+
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        pieces: list[Piece],
+        views: list[torch.Tensor],
+        combined: bool,
+    ) -> None:
+        """``views``: per parameter, its view of the gradient vector; ``combined``:
+        they are the fp32 sums themselves (else a 16-bit copy, read per step)."""
+        self.pieces, self.views = pieces, views
+        self._combined = combined
+        self._owners = [params[q.index] for q in pieces]
+        self._their = [views[q.index] for q in pieces]
+        self._cuts: list[torch.Tensor | None] = [
+            views[q.index].view(-1)[q.offset :][: q.view.numel()] for q in pieces
+        ]
+
+    def __call__(self) -> list[torch.Tensor | None]:
+        if self._combined and all(map(is_, map(_GRAD, self._owners), self._their)):
+            return self._cuts  # read, never changed, by step_pieces
+        grads: list[torch.Tensor | None] = []
+        for piece, owner, view, cut in zip(
+            self.pieces, self._owners, self._their, self._cuts, strict=True
+        ):
+            grad = owner.grad
+            if grad is view and self._combined:
+                grad = cut
+            elif grad is not None:
+                flat = grad.detach().reshape(-1)
+                grad = flat[piece.offset : piece.offset + piece.view.numel()].float()
+            grads.append(grad)
+        return grads
