@@ -1,7 +1,7 @@
 """The shared-memory transport's additions (gradhub.transports.shm_sums) against
 the stated numerics, bit for bit: 16-bit values widened, added in fp32 in
 order, rounded once; every slice added on every rank in its owner's order.
-The bf16 sums twice: by the C sum (gradhub._shm.bf16_sum, which must build
+The bf16 sums twice: by the C sum (gradhub._shm.native, which must build
 on a machine with a C compiler) and by ATen, where the C sum is unavailable."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradhub._shm import bf16_sum
+from gradhub._shm import native
 from gradhub.partition import partition_ranges
 from gradhub.transports.schedule import reduction_order
 from gradhub.transports.shm_sums import CHUNK, add_everywhere, add_widened
@@ -28,19 +28,19 @@ SPECIAL = {
 @pytest.fixture(params=["C sum", "ATen"])
 def how(request: pytest.FixtureRequest) -> Iterator[str]:
     """Which adds bf16 values: the C sum or, with it made unavailable, ATen."""
-    if request.param == "C sum" and not bf16_sum.available():
+    if request.param == "C sum" and not native.available():
         pytest.skip("no C sum on this machine (no compiler?)")
-    bf16_sum.available()  # the build or load has ended: nothing sets it meanwhile
-    saved = bf16_sum._library
+    native.available()  # the build or load has ended: nothing sets it meanwhile
+    saved = native._library
     if request.param == "ATen":
-        bf16_sum._library = None  # as before the build has ended, or where it failed
+        native._library = None  # as before the build has ended, or where it failed
     yield request.param
-    bf16_sum._library = saved
+    native._library = saved
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 def test_the_c_sum_builds_where_there_is_a_compiler() -> None:
-    assert bf16_sum.available()
+    assert native.available()
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
@@ -52,22 +52,22 @@ def test_the_c_sum_is_kept_in_the_temporary_folder_where_the_cache_is_unwritable
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))  # its gradhub/ cannot be made
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
-    assert bf16_sum._build() is not None
-    assert list((tmp_path / "tmp").glob("gradhub-*/sum_bf16-*.so"))
+    assert native._build() is not None
+    assert list((tmp_path / "tmp").glob("gradhub-*/native-*.so"))
     monkeypatch.setenv("GRADHUB_NATIVE", "0")
-    assert bf16_sum._build() is None
+    assert native._build() is None
 
 
 def test_the_c_sum_rounds_as_aten_for_every_bf16_value() -> None:
     """Every bf16 bit pattern plus a shuffle of them, and plus its own
     neighbour: ATen's bits (NaN: a NaN)."""
-    if not bf16_sum.available():
+    if not native.available():
         pytest.skip("no C sum on this machine (no compiler?)")
     every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     g = torch.Generator().manual_seed(0)
     for other in (every[torch.randperm(every.numel(), generator=g)], every.roll(1)):
         out = torch.empty_like(every)
-        assert bf16_sum.sum_bf16([every, other], out)
+        assert native.sum_bf16([every, other], out)
         want = torch.add(every, other)
         nan = want.isnan()
         assert torch.equal(out.isnan(), nan)

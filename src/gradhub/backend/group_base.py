@@ -45,6 +45,23 @@ def destroy_inner(pg: dist.ProcessGroup) -> None:
         dist.destroy_process_group(pg)
 
 
+def _run(work: GradhubWork, body: Callable[[], None]) -> None:
+    """Run an operation's ``body`` and finish its ``work`` with the outcome."""
+    work._start()
+    # Tensors may require grad (DDP with create_graph=True): the exchange is
+    # data movement, as on gloo, never recorded.
+    grad = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(False)  # torch.no_grad() costs several times more
+    try:
+        body()
+    except BaseException as exc:
+        work._finish(exc)
+    else:
+        work._finish()
+    finally:
+        torch._C._set_grad_enabled(grad)
+
+
 class GroupBase(dist.ProcessGroup):
     """Identity, worker thread and lifecycle of a gradhub process group."""
 
@@ -136,7 +153,7 @@ class GroupBase(dist.ProcessGroup):
 
         ``nbytes``: the bytes of an operation on gradhub's transports. One of
         at most :data:`IN_PLACE_BYTES` runs on the calling thread where the
-        worker is idle (:meth:`~gradhub.transports.worker.Worker.here`): its
+        worker is idle (:meth:`~gradhub.transports.worker.Worker.enter`): its
         work is done when the call returns, and the hand-off to the worker
         and back, which costs more than such an operation's own work, is
         saved. Anything else runs on the worker thread. So a small
@@ -149,24 +166,14 @@ class GroupBase(dist.ProcessGroup):
         if self._closed:
             raise ClosedError(f"[rank {self._rank}] {name}: the gradhub process group is closed")
         work = GradhubWork(name, self._rank, self._timeout, outputs)
-
-        def run() -> None:
-            work._start()
-            # Tensors may require grad (DDP with create_graph=True): the
-            # exchange is data movement, as on gloo, never recorded.
-            grad = torch.is_grad_enabled()
-            torch._C._set_grad_enabled(False)  # torch.no_grad() costs several times more
+        worker = self._worker
+        if nbytes is not None and nbytes <= IN_PLACE_BYTES and worker.enter():
             try:
-                body()
-            except BaseException as exc:
-                work._finish(exc)
-            else:
-                work._finish()
+                _run(work, body)
             finally:
-                torch._C._set_grad_enabled(grad)
-
-        if nbytes is None or nbytes > IN_PLACE_BYTES or not self._worker.here(run):
-            self._worker.submit(name, self._timeout, run)
+                worker.leave()
+        else:
+            worker.submit(name, self._timeout, lambda: _run(work, body))
         return work
 
     def _gloo(

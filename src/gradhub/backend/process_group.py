@@ -57,22 +57,23 @@ class GradhubProcessGroup(GroupBase):
 
     # ------------------------------------------------------------ all-reduce
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> GradhubWork:
-        opts = opts if opts is not None else dist.AllreduceOptions()
-        return self._all_reduce("allreduce", tensors, Reduction.of(opts.reduceOp))
+        red = _SUM if opts is None else Reduction.of(opts.reduceOp)
+        return self._all_reduce("allreduce", tensors, red)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> GradhubWork:
         opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
         return self._all_reduce("allreduce_coalesced", tensors, Reduction.of(opts.reduceOp))
 
     def _all_reduce(self, name: str, tensors: Tensors, red: Reduction) -> GradhubWork:
-        call = self._call(name)
-        call.tensors(tensors)
-        if name == "allreduce_coalesced":
-            call.same_dtype(tensors)
-        else:
-            call.alike(tensors[1:], tensors[0], "tensor")
-        call.reduction(tensors, red)
-        if ops.on_transport(tensors, red):
+        if not (plain := ops.plain_sum(tensors, red)):  # else every check passes: none run
+            call = self._call(name)
+            call.tensors(tensors)
+            if name == "allreduce_coalesced":
+                call.same_dtype(tensors)
+            else:
+                call.alike(tensors[1:], tensors[0], "tensor")
+            call.reduction(tensors, red)
+        if plain or ops.on_transport(tensors, red):
             return self._submit(
                 name,
                 list(tensors),

@@ -41,7 +41,11 @@ copying the others' sums out costs less than the second synchronisation
 way, 1 MB 1.1x). bf16 values, which the C sum adds at about twice ATen's
 speed, take one operation up to ``ONE_SYNC_BF16_BYTES`` (2 MiB: with 2
 ranks, 1M bf16 elements took 1.30x DeepSpeed's time in two operations,
-1.16x in one, `benchmarks/backend.py` alternating both).
+1.16x in one, `benchmarks/backend.py` alternating both). With two ranks
+(fp32 or bf16), once the C part is loaded, a rank's copy, counter, wake,
+poll and addition are one C call (:func:`gradhub._shm.native.all_reduce_pair`,
+the same steps and bits); where its poll runs out, the wait is the Python one
+(which names a dead peer).
 
 All-gather from the owners' memory: where every rank may read every other
 rank's memory (``process_vm_readv``, :mod:`gradhub._shm.cma`; agreed at
@@ -101,7 +105,7 @@ from collections.abc import Sequence
 import torch
 
 from gradhub import codecs
-from gradhub._shm import cma
+from gradhub._shm import cma, native
 from gradhub._shm.memory import forgetting_views, supported
 from gradhub.errors import ClosedError, CollectiveTimeoutError, StateError, WorkerFailedError
 from gradhub.transports.base import Chunking, Ranges, Transport
@@ -123,6 +127,8 @@ _log = logging.getLogger("gradhub.collective")
 ONE_SYNC_BYTES = 1 << 20
 ONE_SYNC_BF16_BYTES = 2 << 20
 CROSS_READ_BYTES = 4 << 20
+_PAIR = (torch.float32, torch.bfloat16)
+"""What two ranks' all-reduce adds in C (:func:`gradhub._shm.native.all_reduce_pair`)."""
 
 Segments = Sequence[Sequence[tuple[int, int]]]
 """``owned[i]``: the ``(start, length)`` segments local rank ``i`` owns."""
@@ -211,9 +217,12 @@ class ShmTransport(Transport):
         if not plain or flat.numel() * flat.element_size() * (self.size - 1) > limit:
             return super().all_reduce(op, flat, codec, chunking)
         k, regions = self._begin(op, flat.numel(), flat.dtype)
-        regions[self.index].copy_(flat)
-        self._publish(op, k, "all_reduce")
-        add_everywhere(regions, flat, self.group)
+        if self.size == 2 and flat.dtype in _PAIR and flat.is_contiguous() and native.loaded():
+            self._ctl.all_reduce_pair(op, k, flat, regions)
+        else:
+            regions[self.index].copy_(flat)
+            self._publish(op, k, "all_reduce")
+            add_everywhere(regions, flat, self.group)
         del regions
 
     # ------------------------------------------------- vectors read in place

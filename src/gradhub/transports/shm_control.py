@@ -40,7 +40,7 @@ from collections.abc import Sequence
 
 import torch
 
-from gradhub._shm import cma
+from gradhub._shm import cma, native
 from gradhub._shm.futex import futex_wait, futex_wake
 from gradhub.errors import CollectiveTimeoutError, WorkerFailedError
 from gradhub.transports.group import CollectiveGroup, Operation
@@ -115,12 +115,19 @@ class Control:
         self._counters[self._slot(kind, self.index)] = value  # one aligned 8-byte store
         futex_wake(self._base + self._slot(kind, self.index) * 8)
 
-    def wait_all(self, op: Operation, k: int, kind: int, value: int, during: str) -> None:
+    def address(self, kind: int, j: int) -> int:
+        """The address of rank ``j``'s line ``kind``."""
+        return self._base + self._slot(kind, j) * 8
+
+    def wait_all(
+        self, op: Operation, k: int, kind: int, value: int, during: str, *, poll: bool = True
+    ) -> None:
         """Sleep until every other rank's line ``kind`` reaches ``value`` (in this
-        transport's operation ``k``)."""
+        transport's operation ``k``); ``poll=False``: without polling first (the
+        caller polled)."""
         for j in range(self.size):
             if j != self.index and self.get(kind, j) < value:
-                self._sleep_until(op, k, j, kind, value, during)
+                self._sleep_until(op, k, j, kind, value, during, poll)
 
     def finish(self, op: Operation, k: int, during: str, read_here: bool) -> None:
         """Say this rank is done reading operation ``k``; if the others read this
@@ -147,14 +154,30 @@ class Control:
         self.wait_all(op, 0, HELLO, 2, "set-up")
         return all(self.get(HELLO, j) == 2 for j in range(self.size))
 
+    def all_reduce_pair(
+        self, op: Operation, k: int, flat: torch.Tensor, regions: list[torch.Tensor]
+    ) -> None:
+        """Two ranks' one-synchronisation all-reduce of ``flat`` (operation ``k``,
+        through ``regions``) in one C call (:func:`gradhub._shm.native.all_reduce_pair`),
+        polling as :meth:`_spun` does; where the peer is not there by the end of
+        the poll, the wait here (which names a dead peer), then the addition."""
+        budget = self.poll_budget()
+        mine, theirs = self.address(ENTERED, self.index), self.address(ENTERED, 1 - self.index)
+        reached = native.all_reduce_pair(flat, regions, self.index, mine, theirs, k, budget)
+        if budget > 0:
+            self.polled(reached)
+        if not reached:
+            self.wait_all(op, k, ENTERED, k, "all_reduce", poll=False)
+            native.sum_pair(regions, flat)
+
     # ---------------------------------------------------------------- waits
     def _sleep_until(
-        self, op: Operation, k: int, j: int, kind: int, value: int, during: str
+        self, op: Operation, k: int, j: int, kind: int, value: int, during: str, poll: bool
     ) -> None:
         """Sleep until rank ``j``'s line ``kind`` reaches ``value``; rank ``j`` is
         the one named if it does not."""
         counters, slot = self._counters, self._slot(kind, j)
-        if self._spun(counters, slot, value):
+        if poll and self._spun(counters, slot, value):
             return
         address = self._base + slot * 8
         while True:
@@ -179,20 +202,32 @@ class Control:
         busy, or the peer is elsewhere in its program) makes the next
         ``2**misses - 1`` waits sleep at once (see :data:`_MISSES`), so on a
         busy machine a waiter hardly polls and leaves the core to others."""
-        if self._skip:
-            self._skip -= 1
-            return False
-        if SPIN <= 0:
+        budget = self.poll_budget()
+        if budget <= 0:
             return False
         clock = time.perf_counter
-        end = clock() + SPIN
+        end = clock() + budget
         while counters[slot] < value:
             if clock() > end:
-                self._misses = min(self._misses + 1, _MISSES)
-                self._skip = (1 << self._misses) - 1
+                self.polled(False)
                 return False
-        self._misses = max(self._misses - 1, 0)
+        self.polled(True)
         return True
+
+    def poll_budget(self) -> float:
+        """Seconds the next wait may poll before it sleeps (0: none; see :meth:`_spun`)."""
+        if self._skip:
+            self._skip -= 1
+            return 0.0
+        return SPIN
+
+    def polled(self, reached: bool) -> None:
+        """Count a poll that reached its value or ran out (see :meth:`_spun`)."""
+        if reached:
+            self._misses = max(self._misses - 1, 0)
+        else:
+            self._misses = min(self._misses + 1, _MISSES)
+            self._skip = (1 << self._misses) - 1
 
     def alive(self, j: int) -> bool:
         poller = select.poll()

@@ -9,7 +9,7 @@ numerics :mod:`gradhub.backend.operations` states): every value widened to
 fp32 (exact), added in fp32 in that order, the sum rounded to the dtype once
 (to nearest even; beyond its range: inf). :func:`add_widened` forms exactly
 those bits without an fp32 copy of the vectors: bf16 values by
-:func:`gradhub._shm.bf16_sum.sum_bf16` (a C loop, about twice ATen's speed)
+:func:`gradhub._shm.native.sum_bf16` (a C loop, about twice ATen's speed)
 where it is available; otherwise two values are one ATen addition of the
 16-bit tensors (which widens both, adds in fp32 and rounds the result once),
 and more are added in fp32 chunks of :data:`CHUNK` elements that stay in
@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from gradhub import codecs
-from gradhub._shm import bf16_sum
+from gradhub._shm import native
 from gradhub.partition import partition_ranges
 from gradhub.transports.group import CollectiveGroup
 from gradhub.transports.schedule import add_in_order, reduction_order
@@ -45,7 +45,7 @@ def add_widened(
     that dtype, may be ``own``; ``scratch``: fp32, at least ``min(len, CHUNK)``
     elements (unused for one part).
     """
-    if bf16_sum.sum_bf16([*parts, own], out):
+    if native.sum_bf16([*parts, own], out):
         return
     if len(parts) == 1:  # fp32(a) + fp32(b), rounded once: ATen's 16-bit addition
         torch.add(parts[0], own, out=out)
@@ -85,7 +85,7 @@ def add_everywhere(regions: list[torch.Tensor], out: torch.Tensor, group: Collec
     owner's :func:`~.schedule.reduction_order`."""
     size = len(regions)
     if size == 2:  # a + b = b + a (also widened and rounded once): one addition
-        if not bf16_sum.sum_bf16(regions, out):
+        if not native.sum_bf16(regions, out):
             torch.add(regions[0], regions[1], out=out)
         return
     for c, (s, n) in enumerate(partition_ranges(out.numel(), size)):

@@ -116,19 +116,27 @@ class Worker:
         The caller decides when that is worth it: an operation whose work is short
         beside the two thread hand-offs of a queued one (the backend's small
         all-reduces)."""
-        with self._lock:
-            here = (
-                self._queued == 0
-                and _fresh_thread_state(but_grad=True)
-                and self._running.acquire(False)
-            )
-        if not here:
+        if not self.enter():
             return False
         try:
             fn()
         finally:
-            self._running.release()
+            self.leave()
         return True
+
+    def enter(self) -> bool:
+        """Take the worker for an operation run on the calling thread, on
+        :meth:`here`'s terms; whether it was taken (then :meth:`leave` after it)."""
+        with self._lock:
+            return (
+                self._queued == 0
+                and _fresh_thread_state(but_grad=True)
+                and self._running.acquire(False)
+            )
+
+    def leave(self) -> None:
+        """Give the worker back after :meth:`enter`."""
+        self._running.release()
 
     def call(self, name: str, timeout: float, fn: Callable[[], T]) -> T:
         """``submit(name, timeout, fn).wait()``, in place where that computes the same."""
