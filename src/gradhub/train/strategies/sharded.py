@@ -112,7 +112,7 @@ import torch.distributed as dist
 from gradhub import codecs
 from gradhub._config import config_or_options
 from gradhub.collective import AllReduceParameter, ShardedOptimizer, all_gather
-from gradhub.collective.sharded_optimizer import Piece, check_elementwise
+from gradhub.collective.sharded_optimizer import check_elementwise
 from gradhub.errors import UnsupportedByStrategyError
 from gradhub.optim import OptimizerSpec
 from gradhub.runtime import Runtime
@@ -156,7 +156,7 @@ class ShardedStrategy(ShardedSurvival, Strategy):
         self._grad = torch.zeros(0)  # fp32: the wire's (reduce-scatter input, all-gather output)
         self._model_grad = self._grad  # what .grad views: _grad itself, or a 16-bit copy
         self._grad_views: list[torch.Tensor] = []
-        self._cuts: PieceGradients | None = None  # _piece_gradients
+        self._cuts: PieceGradients | None = None  # the pieces' gradients (_apply)
         self._arp: AllReduceParameter | None = None
         self._opt: ShardedOptimizer | None = None
         self._responder: ShardResponder | None = None
@@ -377,17 +377,14 @@ class ShardedStrategy(ShardedSurvival, Strategy):
         if self._ahead is not None and self._ahead.keep(self.optimizer.param_groups):
             self._flat = self._ahead.weights  # stepped during the backward: sharded_ahead
             return
-        self._opt.step_pieces(self._piece_gradients(self._opt.pieces))
+        cut = self._cuts
+        if cut is None or cut.pieces is not self._opt.pieces or cut.views is not self._grad_views:
+            combined = self._model_grad is self._grad
+            cut = PieceGradients(self.params, self._opt.pieces, self._grad_views, combined)
+            self._cuts = cut
+        cut.step(self._opt, keep=self._ahead is None)
         self._step_mirrors()  # survival: the slices this rank holds for others
         (self._ahead.gather() if self._ahead else self._arp.get_weights(self._flat)).wait()
-
-    def _piece_gradients(self, pieces: list[Piece]) -> list[torch.Tensor | None]:
-        """Each piece's fp32 gradient from its parameter's ``.grad``."""
-        cut = self._cuts
-        if cut is None or cut.pieces is not pieces or cut.views is not self._grad_views:
-            combined = self._model_grad is self._grad
-            cut = self._cuts = PieceGradients(self.params, pieces, self._grad_views, combined)
-        return cut()
 
     def _count_step(self) -> None:
         super()._step_done()

@@ -32,7 +32,7 @@ import torch
 from gradhub import codecs
 from gradhub.collective import AllReduceParameter, CollectiveFuture, CollectiveGroup
 from gradhub.collective.collectives import run_all_gather
-from gradhub.collective.sharded_optimizer import Piece
+from gradhub.collective.sharded_optimizer import Piece, ShardedOptimizer
 from gradhub.partition import segment_ranges
 from gradhub.train.strategies.replicas import factor
 from gradhub.train.strategies.sharded_ahead import StepAhead
@@ -204,7 +204,13 @@ _GRAD = attrgetter("grad")
 class PieceGradients:
     """Each piece's fp32 gradient (``step_pieces``' argument) from its parameter's
     ``.grad``: where every one is still the combined gradient's view (the usual
-    step), one list of slices of it, cut once; else cut per step."""
+    step), one list of slices of it, cut once; else cut per step.
+
+    :meth:`step` steps the pieces with them. Where nothing else steps the slice
+    optimizer on some pieces only (no :class:`~.sharded_ahead.StepAhead`), the
+    usual step's gradients stay on the pieces from one step to the next instead
+    of being set and cleared piece by piece every step (any other step sets
+    every piece's, and clears them after)."""
 
     def __init__(
         self,
@@ -218,6 +224,7 @@ class PieceGradients:
         self.pieces, self.views = pieces, views
         self._combined = combined
         self._owners = [params[q.index] for q in pieces]
+        self._views = [q.view for q in pieces]
         self._their = [views[q.index] for q in pieces]
         self._cuts: list[torch.Tensor | None] = [
             views[q.index].view(-1)[q.offset :][: q.view.numel()] for q in pieces
@@ -238,3 +245,18 @@ class PieceGradients:
                 grad = flat[piece.offset : piece.offset + piece.view.numel()].float()
             grads.append(grad)
         return grads
+
+    def step(self, opt: ShardedOptimizer, *, keep: bool) -> None:
+        """``opt.step_pieces`` with the pieces' gradients; ``keep``: they may stay
+        on the pieces (see the class docstring)."""
+        grads = self()
+        if not (keep and grads is self._cuts):
+            opt.step_pieces(grads)
+            return
+        if not all(map(is_, map(_GRAD, self._views), grads)):  # another step cleared them
+            for view, cut in zip(self._views, grads, strict=True):
+                view.grad = cut
+        with opt.lock:  # step_pieces' step, less the clearing
+            opt.optimizer.step()
+            opt.steps += 1
+        opt.parameter.send_weight_partition()
