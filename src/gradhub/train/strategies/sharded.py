@@ -103,7 +103,6 @@ Decisions:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -137,10 +136,6 @@ from gradhub.train.strategies.step_flags import StepFlags
 _FLOATS = (str(torch.float32), str(torch.bfloat16), str(torch.float16))
 
 
-def _ignored(p: torch.Tensor) -> None:
-    return None
-
-
 class ShardedStrategy(ShardedSurvival, Strategy):
     """Reduce-scatter, all-gather of the gradient, owner-side step (ZeRO-1), all-gather."""
 
@@ -161,7 +156,6 @@ class ShardedStrategy(ShardedSurvival, Strategy):
         self._opt: ShardedOptimizer | None = None
         self._responder: ShardResponder | None = None
         self._buckets: GradientBuckets | None = None
-        self._on_ready: Callable[[torch.Tensor], None] = _ignored
         self._by_count = False
         self._flags: StepFlags | None = None
         self._ahead: StepAhead | None = None
@@ -247,7 +241,8 @@ class ShardedStrategy(ShardedSurvival, Strategy):
         wanted = wanted and not self.runtime.survive  # a failed step must change nothing
         ahead = StepAhead.made(self._opt, self._arp, self.runtime, self.params, wanted)
         self._buckets.ahead = self._ahead = ahead
-        self._on_ready = self._buckets.ready if self.config.overlap else _ignored
+        if self.config.overlap:
+            self._grad_ready = self._buckets.ready  # type: ignore[method-assign]
         self._start_responder()  # last: a request may come as soon as it runs
 
     def _bind(self) -> None:
@@ -324,7 +319,8 @@ class ShardedStrategy(ShardedSurvival, Strategy):
         self._buckets.begin(scale, gather=not self._by_count, live=self.optimizer.param_groups)
 
     def _grad_ready(self, p: torch.Tensor) -> None:
-        self._on_ready(p)  # the buckets' ready, where they overlap the backward
+        """Nothing (``overlap=False``); else :meth:`_build` puts the buckets' own
+        ``ready`` in its place (one call less per parameter and backward)."""
 
     def _finish_backward(self) -> None:
         """Complete the reduce-scatters, all-gather the sums, point ``.grad`` at them."""

@@ -75,7 +75,7 @@ class GradientBuckets:
         self._ready = [0] * len(self._buckets)
         # Per bucket, the gradients taken and their slots: copied at its launch.
         self._taken: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
-        self._filled: set[int] = set()
+        self._pending: dict[int, tuple[int, torch.Tensor]] = {}  # _slot's, not taken yet
         self._next = 0
         self._scale, self._scale_value = factor(1.0), 1.0
         self._gather = False
@@ -88,7 +88,7 @@ class GradientBuckets:
         times (``live``: the script's parameter groups, for :attr:`ahead`)."""
         self._ready = [0] * len(self._buckets)
         self._taken = [([], []) for _ in self._buckets]
-        self._filled.clear()
+        self._pending = self._slot.copy()
         self._next = 0
         if scale != self._scale_value:  # one tensor per weight, not one per step
             self._scale, self._scale_value = factor(scale), scale
@@ -99,33 +99,30 @@ class GradientBuckets:
 
     def ready(self, p: torch.Tensor) -> None:
         """``p.grad`` holds its accumulated gradient: take it, launch full buckets."""
-        grad, key = p.grad, id(p)
-        if grad is not None and key not in self._filled and self._take(key, grad):
-            self._launch_ready()
+        grad = p.grad
+        if grad is not None:
+            slot = self._pending.pop(id(p), None)
+            if slot is not None and self._take(slot, grad):
+                self._launch_ready()
 
     def finish(self) -> list[bool] | None:
         """Backward ended: take every gradient not taken yet (zeros where no
         ``.grad``), launch. Returns per parameter whether it had a ``.grad``, or
         None where every one had."""
-        if len(self._filled) == len(self._params):
+        if not self._pending:
             self._launch_ready()
             return None
         had: list[bool] = []
         zeros: list[torch.Tensor] = []
         for p in self._params:
-            key = id(p)
-            if key in self._filled:
-                had.append(True)
-                continue
-            grad = p.grad
-            had.append(grad is not None)
-            if grad is None:
-                b, slot = self._slot[key]
-                zeros.append(slot)
-                self._filled.add(key)
-                self._ready[b] += 1
-            else:
-                self._take(key, grad)
+            slot = self._pending.pop(id(p), None)
+            grad = None if slot is None else p.grad
+            had.append(slot is None or grad is not None)
+            if slot is not None and grad is None:
+                zeros.append(slot[1])
+                self._ready[slot[0]] += 1
+            elif slot is not None and grad is not None:
+                self._take(slot, grad)
         if zeros:
             torch._foreach_zero_(zeros)
         self._launch_ready()
@@ -142,10 +139,10 @@ class GradientBuckets:
         if self.ahead is not None:
             self.ahead.backward_done(all_used, len(self._buckets))
 
-    def _take(self, key: int, grad: torch.Tensor) -> bool:
-        """Note ``grad`` (parameter ``id`` ``key``) for its bucket's copy; whether
-        that filled the bucket."""
-        b, slot = self._slot[key]
+    def _take(self, where: tuple[int, torch.Tensor], grad: torch.Tensor) -> bool:
+        """Note ``grad`` for its bucket's copy into its slot (``where``: the bucket,
+        the slot); whether that filled the bucket."""
+        b, slot = where
         if grad.data_ptr() != slot.data_ptr():
             grads, slots = self._taken[b]
             grads.append(grad)
@@ -155,7 +152,6 @@ class GradientBuckets:
             grads.append(grad.clone())
             slots.append(slot)
         # else .grad is its slot already (the last combined gradient): nothing to copy
-        self._filled.add(key)
         self._ready[b] += 1
         return self._ready[b] == self._sizes[b]
 
