@@ -186,3 +186,26 @@ RS, AG = allreduce_parameter.run_reduce_scatter, allreduce_parameter.run_all_gat
 @pytest.mark.slow
 def test_bound_parameters_are_reduced_in_place_with_the_seed_bits() -> None:
     run_ranks(views_job, 2, free_port(), timeout=120)
+
+
+def test_one_rank_holds_all_weights_only_in_its_own_flat_weights() -> None:
+    """A world of one publishing in place: ``get_weights`` into the flat weights
+    would move nothing (the ``sharded`` strategy then skips it); into anything
+    else, or with a codec (the wire holds encoded values), it would."""
+    model = make_model()
+    params = list(model.parameters())
+    n = sum(q.numel() for q in params)
+    with local_group(0, 1, free_port(), timeout=60) as group:
+        with AllReduceParameter(n, group=group) as plain:
+            plain.init(params)
+            assert not plain.holds_all_weights(torch.zeros(n))  # nothing handed out yet
+            plain.bind(params)
+            assert plain.holds_all_weights(plain.flat_weights)
+            assert not plain.holds_all_weights(plain.flat_weights.clone())
+            assert not plain.holds_all_weights(plain.flat_weights[1:])
+            before = plain.flat_weights.clone()
+            plain.get_weights(plain.flat_weights).wait()  # what skipping it leaves out
+            assert torch.equal(plain.flat_weights, before)
+        with AllReduceParameter(n, group=group, compress="bf16") as coded:
+            coded.init([q.detach().clone() for q in params])
+            assert not coded.holds_all_weights(coded.flat_weights)

@@ -17,38 +17,34 @@ owns slice ``p`` of the flat parameter (:func:`gradhub.partition.partition_range
 
 Decisions (where BigDL's block-manager design does not carry over):
 
-- ``init`` is a collective: every rank's ``size`` and codec are gathered, and
-  a difference is an error on every rank (not a hang on some).
-- ``send_weight_partition`` publishes a snapshot (encoded in the codec) of
-  ``weight_partition``; ``get_weights`` gathers the published snapshots, so
-  later in-place changes to ``weight_partition`` are not seen until the next
-  ``send_weight_partition``. ``init`` publishes the initial slice.
-- Every rank, the owner included, receives the decoded wire values, so all
-  ranks hold bit-identical weights; the owner's fp32 master is unchanged.
-- ``put_gradients`` copies the gradient into the flat gradient buffer (the
-  caller may reuse it at once) and starts the reduce-scatter on the group's
-  worker thread; ``aggregate_gradient_partition`` waits for it. A second
-  ``put_gradients`` before ``aggregate_gradient_partition`` is an error.
-- ``gradient_partition``: this rank's slice of that buffer, summed in place
-  (the same bits as out of place) and divided by ``avg_numbers`` (as BigDL;
-  not by 1: the same bits); meaningful from ``aggregate_gradient_partition``
-  until the next gradient is written. Buffers are reused from step to step.
-- ``device``: where the buffers live (default: the group's device). CUDA
-  buffers of a group that carries host memory only are staged
-  (:mod:`.staging`); CPU ones go where the group's transport reads them in
-  place (``"shm"``), so the bound cycle's collectives read them where they lie.
-- Zero copies (DDP's ``gradient_as_bucket_view``, FSDP's flat parameters;
-  :mod:`.flat_views`): :meth:`bind` makes parameters views of
-  :attr:`flat_weights` and their grads views of :attr:`flat_gradients`;
-  given those, ``put_gradients`` and ``get_weights`` copy nothing. Without
-  compression ``weight_partition`` is this rank's slice of
-  :attr:`flat_weights`; once that is handed out, ``send_weight_partition``
-  publishes ``weight_partition`` itself (no snapshot: the next
-  ``get_weights`` sends what it holds then). Other tensors are still copied.
+- ``init`` is a collective: every rank's ``size`` and codec are gathered, and a difference is an
+  error on every rank (not a hang on some).
+- ``send_weight_partition`` publishes a snapshot (encoded in the codec) of ``weight_partition``;
+  ``get_weights`` gathers the published snapshots, so later in-place changes to
+  ``weight_partition`` are not seen until the next ``send_weight_partition``. ``init`` publishes
+  the initial slice.
+- Every rank, the owner included, receives the decoded wire values, so all ranks hold
+  bit-identical weights; the owner's fp32 master is unchanged.
+- ``put_gradients`` copies the gradient into the flat gradient buffer (the caller may reuse it at
+  once) and starts the reduce-scatter on the group's worker thread;
+  ``aggregate_gradient_partition`` waits for it. A second ``put_gradients`` before
+  ``aggregate_gradient_partition`` is an error.
+- ``gradient_partition``: this rank's slice of that buffer, summed in place (the same bits as out
+  of place) and divided by ``avg_numbers`` (as BigDL; not by 1: the same bits); meaningful from
+  ``aggregate_gradient_partition`` until the next gradient is written. Buffers are reused from
+  step to step.
+- ``device``: where the buffers live (default: the group's device). CUDA buffers of a group that
+  carries host memory only are staged (:mod:`.staging`); CPU ones go where the group's transport
+  reads them in place (``"shm"``), so the bound cycle's collectives read them where they lie.
+- Zero copies (DDP's ``gradient_as_bucket_view``, FSDP's flat parameters; :mod:`.flat_views`):
+  :meth:`bind` makes parameters views of :attr:`flat_weights` and their grads views of
+  :attr:`flat_gradients`; given those, ``put_gradients`` and ``get_weights`` copy nothing. Without
+  compression ``weight_partition`` is this rank's slice of :attr:`flat_weights`; once that is
+  handed out, ``send_weight_partition`` publishes ``weight_partition`` itself (no snapshot: the
+  next ``get_weights`` sends what it holds then). Other tensors are still copied.
 - Parameters may be a tensor of ``size`` elements or a tree (flattened via
-  :class:`gradhub.trees.TreeSpec`; the tree given to ``init`` fixes the
-  structure). ``get_weights`` accepts either a flat tensor of ``size`` or a
-  tree of that structure.
+  :class:`gradhub.trees.TreeSpec`; the tree given to ``init`` fixes the structure).
+  ``get_weights`` accepts either a flat tensor of ``size`` or a tree of that structure.
 """
 
 from __future__ import annotations
@@ -287,6 +283,12 @@ class AllReduceParameter:
         future = self.group.submit("get_weights", body)
         self._gathering = [f for f in self._gathering if not f.done()] + [future]
         return future
+
+    def holds_all_weights(self, local_parameter: Tree) -> bool:
+        """Whether :meth:`get_weights` into ``local_parameter`` would move nothing (one
+        rank publishing in place, into its flat weights): a caller may skip its Python."""
+        spec, one = self._spec, self.partition_num == 1 and self._views_out and self._plain
+        return one and spec is not None and occupies(spec, local_parameter, self._flat_weights)
 
     def put_gradients(self, gradient: Tree) -> None:
         """Copy ``gradient`` (``size`` elements or a tree like the parameter) and

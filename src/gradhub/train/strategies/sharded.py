@@ -380,7 +380,10 @@ class ShardedStrategy(ShardedSurvival, Strategy):
             self._cuts = cut
         cut.step(self._opt, keep=self._ahead is None)
         self._step_mirrors()  # survival: the slices this rank holds for others
-        (self._ahead.gather() if self._ahead else self._arp.get_weights(self._flat)).wait()
+        if self._ahead:
+            self._ahead.gather().wait()
+        elif not self._arp.holds_all_weights(self._flat):
+            self._arp.get_weights(self._flat).wait()
 
     def _count_step(self) -> None:
         super()._step_done()
