@@ -234,26 +234,7 @@ def available() -> bool:
     return _library is not None
 
 
-def sum_bf16(parts: list[torch.Tensor], out: torch.Tensor) -> bool:
-    """``out`` = the fp32 sum of ``parts`` in their order, rounded to bf16 once,
-    if ``out`` is bf16 and the C sum is loaded (else nothing is written; a bf16
-    sum before the library is loaded starts its build or load on a thread of its
-    own); whether it was. ``parts`` and ``out``: contiguous CPU tensors of one
-    dtype and length, at least two parts; ``out`` may be one of them."""
-    if out.dtype != torch.bfloat16:
-        return False
-    if _library is None:
-        _started()
-        return False
-    n = out.numel()
-    if any(p.numel() != n or not p.is_contiguous() for p in parts) or not out.is_contiguous():
-        raise InvalidOptionError("sum_bf16: parts and out must be contiguous and of one length")
-    pointers = (ctypes.c_void_p * len(parts))(*(p.data_ptr() for p in parts))
-    _library.gradhub_sum_bf16(pointers, len(parts), out.data_ptr(), n)
-    return True
-
-
-_PAIR_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+PAIR_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 """The dtypes :func:`all_reduce_pair` adds, by their code in the C source."""
 
 
@@ -263,6 +244,23 @@ def loaded() -> bool:
     if _library is None:
         _started()
         return False
+    return True
+
+
+def sum_bf16(parts: list[torch.Tensor], out: torch.Tensor) -> bool:
+    """``out`` = the fp32 sum of ``parts`` in their order, rounded to bf16 once,
+    if ``out`` is bf16 and the C sum is loaded (else nothing is written; a bf16
+    sum before the library is loaded starts its build or load on a thread of its
+    own); whether it was. ``parts`` and ``out``: contiguous CPU tensors of one
+    dtype and length, at least two parts; ``out`` may be one of them."""
+    if out.dtype != torch.bfloat16 or not loaded():
+        return False
+    assert _library is not None
+    n = out.numel()
+    if any(p.numel() != n or not p.is_contiguous() for p in parts) or not out.is_contiguous():
+        raise InvalidOptionError("sum_bf16: parts and out must be contiguous and of one length")
+    pointers = (ctypes.c_void_p * len(parts))(*(p.data_ptr() for p in parts))
+    _library.gradhub_sum_bf16(pointers, len(parts), out.data_ptr(), n)
     return True
 
 
@@ -291,7 +289,7 @@ def all_reduce_pair(
             regions[0].data_ptr(),
             regions[1].data_ptr(),
             data.numel(),
-            _PAIR_DTYPES[data.dtype],
+            PAIR_DTYPES[data.dtype],
             entered,
             theirs,
             k,
@@ -306,5 +304,5 @@ def sum_pair(regions: list[torch.Tensor], out: torch.Tensor) -> None:
     assert _library is not None
     first, second = regions
     _library.gradhub_sum_pair(
-        out.data_ptr(), first.data_ptr(), second.data_ptr(), out.numel(), _PAIR_DTYPES[out.dtype]
+        out.data_ptr(), first.data_ptr(), second.data_ptr(), out.numel(), PAIR_DTYPES[out.dtype]
     )

@@ -127,8 +127,6 @@ _log = logging.getLogger("gradhub.collective")
 ONE_SYNC_BYTES = 1 << 20
 ONE_SYNC_BF16_BYTES = 2 << 20
 CROSS_READ_BYTES = 4 << 20
-_PAIR = (torch.float32, torch.bfloat16)
-"""What two ranks' all-reduce adds in C (:func:`gradhub._shm.native.all_reduce_pair`)."""
 
 Segments = Sequence[Sequence[tuple[int, int]]]
 """``owned[i]``: the ``(start, length)`` segments local rank ``i`` owns."""
@@ -217,7 +215,12 @@ class ShmTransport(Transport):
         if not plain or flat.numel() * flat.element_size() * (self.size - 1) > limit:
             return super().all_reduce(op, flat, codec, chunking)
         k, regions = self._begin(op, flat.numel(), flat.dtype)
-        if self.size == 2 and flat.dtype in _PAIR and flat.is_contiguous() and native.loaded():
+        if (
+            self.size == 2
+            and flat.dtype in native.PAIR_DTYPES
+            and flat.is_contiguous()
+            and native.loaded()
+        ):
             self._ctl.all_reduce_pair(op, k, flat, regions)
         else:
             regions[self.index].copy_(flat)
