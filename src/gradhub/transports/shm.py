@@ -215,12 +215,8 @@ class ShmTransport(Transport):
         if not plain or flat.numel() * flat.element_size() * (self.size - 1) > limit:
             return super().all_reduce(op, flat, codec, chunking)
         k, regions = self._begin(op, flat.numel(), flat.dtype)
-        if (
-            self.size == 2
-            and flat.dtype in native.PAIR_DTYPES
-            and flat.is_contiguous()
-            and native.loaded()
-        ):
+        pair = self.size == 2 and flat.dtype in native.PAIR_DTYPES and flat.is_contiguous()
+        if pair and native.loaded():
             self._ctl.all_reduce_pair(op, k, flat, regions)
         else:
             regions[self.index].copy_(flat)
