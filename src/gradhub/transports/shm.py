@@ -33,19 +33,17 @@ Algorithm (one synchronisation per operation):
 Operation ``k + 2`` reuses set ``k % 2``; a rank gets there only after every
 counter reached ``k + 1``, i.e. after every rank finished reading operation
 ``k``. So one synchronisation per operation suffices. An all-reduce of plain
-values up to ``ONE_SYNC_BYTES`` (1 MiB) over the number of other ranks is one
-operation: every rank writes its whole vector, then adds every slice itself
-(:mod:`.shm_sums`, the same bits); above it, adding only its own slice and
-copying the others' sums out costs less than the second synchronisation
-(measured with 2 ranks: 2 MB of fp32 take 0.9x the one-operation time that
-way, 1 MB 1.1x). bf16 values, which the C sum adds at about twice ATen's
-speed, take one operation up to ``ONE_SYNC_BF16_BYTES`` (2 MiB: with 2
-ranks, 1M bf16 elements took 1.30x DeepSpeed's time in two operations,
-1.16x in one, `benchmarks/backend.py` alternating both). With two ranks
-(fp32 or bf16), once the C part is loaded, a rank's copy, counter, wake,
-poll and addition are one C call (:func:`gradhub._shm.native.all_reduce_pair`,
-the same steps and bits); where its poll runs out, the wait is the Python one
-(which names a dead peer).
+values up to ``ONE_SYNC_BYTES`` (1 MiB; bf16, which the C sum adds at twice
+ATen's speed: ``ONE_SYNC_BF16_BYTES``, 2 MiB) over the number of other ranks
+is one operation: every rank writes its whole vector, then adds every slice
+itself (:mod:`.shm_sums`, the same bits); above it, a reduce-scatter and an
+all-gather. With two ranks (fp32 or bf16) and the C part loaded, the same
+steps and bits are C calls (:mod:`gradhub._shm.native`): one operation up to
+``PAIR_ONE_SYNC_BYTES`` (64 KiB), above it each rank adds its half (without
+the second synchronisation's Python this costs less than one operation from
+128 KiB, 0.75x at 1 MiB of fp32, and less than the Python reduce-scatter and
+all-gather up to 32 MiB). Where a poll runs out, the Python wait (which names
+a dead peer).
 
 All-gather from the owners' memory: where every rank may read every other
 rank's memory (``process_vm_readv``, :mod:`gradhub._shm.cma`; agreed at
@@ -126,6 +124,7 @@ _log = logging.getLogger("gradhub.collective")
 
 ONE_SYNC_BYTES = 1 << 20
 ONE_SYNC_BF16_BYTES = 2 << 20
+PAIR_ONE_SYNC_BYTES = 64 << 10
 CROSS_READ_BYTES = 4 << 20
 
 Segments = Sequence[Sequence[tuple[int, int]]]
@@ -207,15 +206,19 @@ class ShmTransport(Transport):
     def all_reduce(
         self, op: Operation, flat: torch.Tensor, codec: codecs.Codec, chunking: Chunking
     ) -> None:
-        """Plain values of at most :data:`ONE_SYNC_BYTES` (bf16:
-        :data:`ONE_SYNC_BF16_BYTES`) / (ranks - 1): one
-        synchronisation, every rank adds every slice (:func:`.shm_sums.add_everywhere`)."""
+        """Plain values in one synchronisation or in two (see the module docstring)."""
         plain = isinstance(codec, codecs.NoCompression)
+        size = flat.numel() * flat.element_size()
+        pair = self.size == 2 and flat.dtype in native.PAIR_DTYPES and flat.is_contiguous()
+        pair = plain and pair  # every rank takes the same path, whether its C part is loaded or not
+        if pair and size > PAIR_ONE_SYNC_BYTES:
+            k, first = self._begin(op, flat.numel(), flat.dtype)
+            second = self._begin(op, flat.numel(), flat.dtype)[1]
+            return self._ctl.all_reduce_halves(op, k, flat, first, second)
         limit = ONE_SYNC_BF16_BYTES if flat.dtype == torch.bfloat16 else ONE_SYNC_BYTES
-        if not plain or flat.numel() * flat.element_size() * (self.size - 1) > limit:
+        if not plain or size * (self.size - 1) > limit:
             return super().all_reduce(op, flat, codec, chunking)
         k, regions = self._begin(op, flat.numel(), flat.dtype)
-        pair = self.size == 2 and flat.dtype in native.PAIR_DTYPES and flat.is_contiguous()
         if pair and native.loaded():
             self._ctl.all_reduce_pair(op, k, flat, regions)
         else:

@@ -170,6 +170,58 @@ class Control:
             self.wait_all(op, k, ENTERED, k, "all_reduce", poll=False)
             native.sum_pair(regions, flat)
 
+    def all_reduce_halves(
+        self,
+        op: Operation,
+        k: int,
+        flat: torch.Tensor,
+        first: list[torch.Tensor],
+        second: list[torch.Tensor],
+    ) -> None:
+        """Two ranks' all-reduce of ``flat`` in halves, operations ``k`` and ``k +
+        1`` (through the regions ``first`` and ``second``), in C
+        (:func:`gradhub._shm.native.all_reduce_halves`; where a poll runs out,
+        the wait here, which names a dead peer, then the C part goes on), or
+        its same steps here where the C part is not loaded (a peer may run
+        either: the same memory, counters and bits)."""
+        if not native.loaded():
+            return self._halves(op, k, flat, first, second)
+        mine, theirs = self.address(ENTERED, self.index), self.address(ENTERED, 1 - self.index)
+        stage = 0
+        while True:
+            budget = self.poll_budget()
+            at = native.all_reduce_halves(
+                flat, first, second, self.index, mine, theirs, k, budget, stage
+            )
+            if budget > 0:
+                self.polled(at == 3)
+            if at == 3:
+                return
+            stage = at
+            self.wait_all(op, k + at - 1, ENTERED, k + at - 1, "all_reduce", poll=False)
+
+    def _halves(
+        self,
+        op: Operation,
+        k: int,
+        flat: torch.Tensor,
+        first: list[torch.Tensor],
+        second: list[torch.Tensor],
+    ) -> None:
+        """:meth:`all_reduce_halves` with Python's waits and ATen's copies and
+        addition (of two values, ATen rounds once, as the C sum)."""
+        me, peer, half = self.index, 1 - self.index, (flat.numel() + 1) // 2
+        mine, theirs = (slice(0, half), slice(half, None))[:: 1 if me == 0 else -1]
+        first[me][theirs].copy_(flat[theirs])
+        self.publish(ENTERED, k)
+        self.wait_all(op, k, ENTERED, k, "all_reduce")
+        own = flat[mine]
+        torch.add(own, first[peer][mine], out=own)
+        second[me][mine].copy_(own)
+        self.publish(ENTERED, k + 1)
+        self.wait_all(op, k + 1, ENTERED, k + 1, "all_reduce")
+        flat[theirs].copy_(second[peer][theirs])
+
     # ---------------------------------------------------------------- waits
     def _sleep_until(
         self, op: Operation, k: int, j: int, kind: int, value: int, during: str, poll: bool
