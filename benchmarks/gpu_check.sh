@@ -22,8 +22,10 @@
 #
 # INSTALL=1 (the default) installs gradhub and the wheels in .whl/ into /tmp/site
 # over the machine's own torch (no index: the device machine has no network).
-# The tests run without `-W error`: the device's torch is another version than
-# the pinned one, whose deprecation warnings would fail unrelated tests.
+# The tests run with `-W default` (over pyproject's filterwarnings = error): the
+# device's torch is another version than the pinned one, whose deprecation
+# warnings would fail unrelated tests. A part that runs out gets SIGINT (pytest
+# then prints what ran and ends its rank processes), SIGKILL 15 s later.
 set -u
 OUT=${OUT:-build/gpu-check}
 PY=${PY:-python3}
@@ -51,7 +53,7 @@ part() { # name, seconds, command...
     local name=$1 limit=$2 start rc
     shift 2
     start=$(date +%s)
-    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    timeout --signal=INT --kill-after=15 "$limit" "$@" > "$OUT/$name.log" 2>&1
     rc=$?
     echo "$name: exit $rc in $(($(date +%s) - start)) s" | tee -a "$summary"
 }
@@ -63,7 +65,8 @@ for name in "${parts[@]}"; do
     bench-gpu)
         part bench-gpu 150 "$PY" benchmarks/gpu.py --rounds 5 --steps 4 --out "$OUT" ;;
     test-gpu)
-        part test-gpu 270 "$PY" -m pytest -rs -q --durations=15 -p no:cacheprovider -m gpu tests
+        part test-gpu 270 "$PY" -m pytest -W default -rs -v --durations=15 -p no:cacheprovider \
+            -m gpu tests
         tail -n 3 "$OUT/test-gpu.log" >> "$summary" ;;
     bench-cpu-host)
         part bench-cpu-host 150 env CUDA_VISIBLE_DEVICES= "$PY" benchmarks/training.py \

@@ -232,13 +232,20 @@ class Runtime:
         group.call(name, run)
 
     def all_reduce_sum(self, tensor: torch.Tensor, *, where: str = "") -> torch.Tensor:
-        """Sum ``tensor`` over every rank in place (bounded wait); returns it."""
+        """Sum ``tensor`` over every rank in place (bounded wait); returns it. A
+        tensor on a device the group does not carry (a CPU count on an NCCL-only
+        group) is summed on the group's device and copied back."""
         if self.world_size > 1:
+            carried = tensor
+            if self.group.backend_of(tensor.device) is None:
+                carried = tensor.to(self.group.device)
             self.wait(
                 self.collective(
-                    "all_reduce", lambda: dist.all_reduce(tensor, async_op=True), where=where
+                    "all_reduce", lambda: dist.all_reduce(carried, async_op=True), where=where
                 )
             )
+            if carried is not tensor:
+                tensor.copy_(carried)
         return tensor
 
     @property

@@ -219,14 +219,21 @@ class CollectiveGroup:
         limit = self.timeout if timeout is None else float(timeout)
         return Operation(name, sequence, limit, time.monotonic() + limit)
 
-    def wait(self, op: Operation, work: Any, peer: int | None) -> None:
+    def wait(self, op: Operation, work: Any, peer: int | None, *, on_device: bool = False) -> None:
         """Wait for ``work`` within ``op``'s deadline; ``peer`` is the rank it depends on.
 
         Raises :class:`CollectiveTimeoutError` or :class:`WorkerFailedError`
-        naming the rank(s) responsible (see :meth:`failure`).
+        naming the rank(s) responsible (see :meth:`failure`). ``on_device``: the
+        work moves CUDA tensors (NCCL's), waited as DDP waits for it: the
+        current stream waits, the host does not (a wait with a timeout would
+        hold the host until the kernel ends); NCCL's watchdog ends a collective
+        that outlives the process group's timeout.
         """
         remaining = op.remaining()
         try:
+            if on_device:
+                work.wait()
+                return
             finished = work.wait(timedelta(seconds=max(remaining, 0.001)))
         except RuntimeError as exc:  # c10d's errors (DistError) are RuntimeErrors
             raise self.failure(op, peer, exc) from exc

@@ -9,10 +9,10 @@ rank (a joined rank's shadow step included), and read from host memory. A
 step never reads a gradient, flag or count back from a device: no host
 synchronisation, as under DDP. Only a group that carries no host tensors
 (an NCCL-only group, ``gradhub.init(backend="nccl")``) keeps them on its
-device; there reading them costs one synchronisation, and it is read only
-when the step needs it (a parameter some rank did not use, or
-``set_samples``), as DDP with ``find_unused_parameters=True`` reads its
-used map.
+device; with two or more ranks there, reading the sums back costs one host
+synchronisation a step (DDP with ``find_unused_parameters=True`` reads its
+used map back likewise); in a job of one rank the values written are the
+sums, read from host memory.
 
 Sums are exact: 0/1 flags and sample counts below 2**24.
 """
@@ -38,12 +38,14 @@ class StepFlags:
         rank asks for a regroup after this step (a surviving job's replacement
         is ready: every rank then regroups after the same step)."""
         self._host = self.tensor.numpy() if device.type == "cpu" else None
+        self._written = np.zeros(count + 2, np.float32) if self._host is None else self._host
+        """The values this rank wrote, in host memory (the sums in a job of one rank)."""
         self._group = group
         self._count = count
 
     def write(self, used: Sequence[bool], samples: float, regroup: bool = False) -> None:
         """This rank's flags and count (host values; nothing is read back)."""
-        host = self._host if self._host is not None else np.empty(self._count + 2, np.float32)
+        host = self._written
         host[: self._count] = used  # one conversion of the list in numpy, not one per flag
         host[self._count :] = (samples, regroup)
         if self._host is None:
@@ -52,6 +54,8 @@ class StepFlags:
     def write_zeros(self) -> None:
         """A joined rank's contribution: nothing used, no sample."""
         self.tensor.zero_()
+        if self._host is None:
+            self._written[:] = 0
 
     def launch(self) -> Any:
         """Start summing over the ranks; returns the work to wait for (``None``
@@ -64,11 +68,17 @@ class StepFlags:
         """(used anywhere, per parameter; the summed count) after the sum is done."""
         if wait is not None:
             wait()
-        values = self._host if self._host is not None else self.tensor.cpu().numpy()
+        values = self._host_values()
         return values[: self._count] > 0, float(values[self._count])
 
     def regroup(self) -> bool:
         """Whether some rank asked for a regroup after this step (read after the sum;
         on a device-only group a host synchronisation, only in a surviving job)."""
-        values = self._host if self._host is not None else self.tensor[-1:].cpu().numpy()
-        return bool(values[-1] > 0)
+        return bool(self._host_values()[-1] > 0)
+
+    def _host_values(self) -> np.ndarray:
+        """The sums in host memory (on a device-only group of two or more ranks,
+        read back: one host synchronisation)."""
+        if self._host is not None or self._group.world_size == 1:
+            return self._written
+        return self.tensor.cpu().numpy()
