@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -30,6 +31,17 @@ def where_operations_run(rank: int, world_size: int) -> dict[str, Any]:
     work = dist.all_reduce(x, async_op=True)
     seen["small all_reduce done on return"] = work.is_completed()
     assert torch.equal(x, torch.full((4,), float(sum(range(1, world_size + 1)))))
+    # its work (a DoneWork, made without lock, event or clock) answers as any
+    done = pg.allreduce([x], dist.AllreduceOptions())
+    seen["a done work answers as a pending one"] = (
+        isinstance(done, GradhubWork)
+        and done.wait(timedelta(seconds=1))
+        and done.is_success()
+        and done.exception() is None
+        and done.result()[0] is x
+        and done.get_future().done()
+        and done.get_future().value()[0] is x
+    )
     future = dist.all_reduce(torch.ones(4), async_op=True).get_future()
     seen["its future done"] = future.done()
     assert torch.equal(future.wait()[0], torch.full((4,), float(world_size)))

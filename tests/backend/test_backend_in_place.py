@@ -14,4 +14,4 @@ def test_small_operations_run_in_place_only_where_the_worker_is_idle() -> None:
     for r in run_ranks(where_operations_run, 2, timeout=120):
         assert r.value["order"] == ["small", "large", "slow", "behind", "inference"]
         assert r.value["here"] == ["small"]
-        assert all(r.value["seen"].values()) and len(r.value["seen"]) == 6, r.value["seen"]
+        assert all(r.value["seen"].values()) and len(r.value["seen"]) == 7, r.value["seen"]

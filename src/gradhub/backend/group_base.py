@@ -22,7 +22,7 @@ import torch.distributed.distributed_c10d as c10d
 from gradhub.backend import operations as ops
 from gradhub.backend.checks import Call
 from gradhub.backend.operations import Context
-from gradhub.backend.work import GradhubWork
+from gradhub.backend.work import DoneWork, GradhubWork
 from gradhub.collective import CollectiveGroup
 from gradhub.errors import ClosedError
 from gradhub.transports.choice import chosen
@@ -48,6 +48,11 @@ def destroy_inner(pg: dist.ProcessGroup) -> None:
 def _run(work: GradhubWork, body: Callable[[], None]) -> None:
     """Run an operation's ``body`` and finish its ``work`` with the outcome."""
     work._start()
+    work._finish(_outcome(body))
+
+
+def _outcome(body: Callable[[], None]) -> BaseException | None:
+    """Run an operation's ``body``; its error, if any."""
     # Tensors may require grad (DDP with create_graph=True): the exchange is
     # data movement, as on gloo, never recorded.
     grad = torch.is_grad_enabled()
@@ -55,11 +60,10 @@ def _run(work: GradhubWork, body: Callable[[], None]) -> None:
     try:
         body()
     except BaseException as exc:
-        work._finish(exc)
-    else:
-        work._finish()
+        return exc
     finally:
         torch._C._set_grad_enabled(grad)
+    return None
 
 
 class GroupBase(dist.ProcessGroup):
@@ -165,15 +169,19 @@ class GroupBase(dist.ProcessGroup):
         """
         if self._closed:
             raise ClosedError(f"[rank {self._rank}] {name}: the gradhub process group is closed")
-        work = GradhubWork(name, self._rank, self._timeout, outputs)
         worker = self._worker
         if nbytes is not None and nbytes <= IN_PLACE_BYTES and worker.enter():
             try:
-                _run(work, body)
+                error = _outcome(body)
             finally:
                 worker.leave()
-        else:
-            worker.submit(name, self._timeout, lambda: _run(work, body))
+            if error is None:
+                return DoneWork(name, outputs)
+            work = GradhubWork(name, self._rank, self._timeout, outputs)
+            work._finish(error)  # raised by wait(), as from the worker thread
+            return work
+        work = GradhubWork(name, self._rank, self._timeout, outputs)
+        worker.submit(name, self._timeout, lambda: _run(work, body))
         return work
 
     def _gloo(

@@ -1,7 +1,7 @@
 """:class:`GradhubProcessGroup`: the ``dist.ProcessGroup`` torch gets for ``"gradhub"``.
 
-Every collective returns its :class:`~gradhub.backend.work.GradhubWork` at once
-and runs on the group's one worker thread, in call order (the same order on
+Every collective returns its work (:mod:`gradhub.backend.work`) at once and
+runs on the group's one worker thread, in call order (the same order on
 every rank, as torch requires), so DDP's bucket all-reduces overlap the
 backward pass as they do on gloo; one on gradhub's transports of at most
 :data:`~gradhub.backend.group_base.IN_PLACE_BYTES` runs on the calling thread
