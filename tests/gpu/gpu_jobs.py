@@ -224,6 +224,16 @@ def ddp_beside_job(rank: int, world: int) -> dict[str, Any]:
         out["cpu"] = (cpu.tolist(), chosen(runtime.group))
         cuda = all_reduce(torch.ones(8, device=device), group=runtime.group).wait()
         out["cuda"] = (cuda.cpu().tolist(), runtime.group.device_transport.name)
+        # Made on a stream of the script's own while an operation is queued (so
+        # this one runs on the worker thread): NCCL follows the slow producer.
+        side = torch.cuda.Stream(device)
+        with torch.cuda.stream(side):
+            a = torch.rand(2048, 2048, device=device) / 2048
+            queued = all_reduce(torch.ones(1 << 20, device=device), group=runtime.group)
+            x = (a @ a @ a).sum(0) * 0 + (rank + 1)  # a slow producer of known values
+            late = all_reduce(x, group=runtime.group)
+            queued.wait()
+            out["stream"] = (late.wait() * 1).cpu().unique().tolist()
     return out
 
 

@@ -2,7 +2,8 @@
 CUDA tensors on NCCL and CPU tensors on gloo's side (shared memory), and the
 strategies train as DDP on NCCL does in the same processes: ``allreduce`` bit
 for bit (two ranks: one sum, and a halving that is exact), ``sharded`` within
-float32 rounding."""
+float32 rounding; a collective queued behind another runs on its caller's
+CUDA stream."""
 
 from __future__ import annotations
 
@@ -31,3 +32,4 @@ def test_strategies_beside_ddp_on_two_gpus() -> None:
             np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
         assert out["cpu"] == ([2.0] * 8, "shm")
         assert out["cuda"] == ([2.0] * 8, "ring")
+        assert out["stream"] == [3.0]  # rank 0's 1 + rank 1's 2, after their producers

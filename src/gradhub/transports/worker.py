@@ -13,7 +13,9 @@ did (the torch.distributed backend runs its small operations so).
 
 Either way one operation runs at a time (a lock, held by whichever thread
 runs one), and an operation called after another on the same thread runs
-after it.
+after it. A queued operation runs on the CUDA stream its caller was on (a
+collective of CUDA tensors then follows the kernels that wrote them, as it
+would on the calling thread).
 """
 
 from __future__ import annotations
@@ -41,6 +43,22 @@ def _fresh_thread_state(*, but_grad: bool = False) -> bool:
         and torch._C._len_torch_function_stack() == 0
         and torch._C._len_torch_dispatch_stack() == 0
     )
+
+
+def _on_callers_stream(fn: Callable[[], T]) -> Callable[[], T]:
+    """``fn``, to run on the calling thread's current CUDA stream where CUDA is
+    in use and that stream is not its device's default (the worker thread's own)."""
+    if not torch.cuda.is_initialized():
+        return fn
+    stream = torch.cuda.current_stream()
+    if stream == torch.cuda.default_stream(stream.device):
+        return fn
+
+    def on_stream() -> T:
+        with torch.cuda.stream(stream):
+            return fn()
+
+    return on_stream
 
 
 class Worker:
@@ -74,12 +92,13 @@ class Worker:
                 max_workers=1, thread_name_prefix=f"{self._name}-r{self._rank}"
             )
         future: CollectiveFuture[T] = CollectiveFuture(name, timeout)
+        body = _on_callers_stream(fn)
 
         def run() -> T:
             try:
                 with self._running:
                     future._mark_started()
-                    return fn()
+                    return body()
             finally:
                 with self._lock:
                     self._queued -= 1
