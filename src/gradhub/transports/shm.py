@@ -39,11 +39,10 @@ is one operation: every rank writes its whole vector, then adds every slice
 itself (:mod:`.shm_sums`, the same bits); above it, a reduce-scatter and an
 all-gather. With two ranks (fp32 or bf16) and the C part loaded, the same
 steps and bits are C calls (:mod:`gradhub._shm.native`): one operation up to
-``PAIR_ONE_SYNC_BYTES`` (64 KiB), above it each rank adds its half (without
-the second synchronisation's Python this costs less than one operation from
-128 KiB, 0.75x at 1 MiB of fp32, and less than the Python reduce-scatter and
-all-gather up to 32 MiB). Where a poll runs out, the Python wait (which names
-a dead peer).
+``PAIR_ONE_SYNC_BYTES`` (64 KiB), above it each rank adds its half (0.75x one
+operation's time at 1 MiB of fp32) until halves are read in their owners'
+memory (below; DDP's 25 MB buckets took 5% longer in C through the regions).
+Where a poll runs out, the Python wait (which names a dead peer).
 
 All-gather from the owners' memory: where every rank may read every other
 rank's memory (``process_vm_readv``, :mod:`gradhub._shm.cma`; agreed at
@@ -211,7 +210,8 @@ class ShmTransport(Transport):
         size = flat.numel() * flat.element_size()
         pair = self.size == 2 and flat.dtype in native.PAIR_DTYPES and flat.is_contiguous()
         pair = plain and pair  # every rank takes the same path, whether its C part is loaded or not
-        if pair and size > PAIR_ONE_SYNC_BYTES:
+        halves = size < 2 * CROSS_READ_BYTES or not self._cross  # else one copy fewer, below
+        if pair and halves and size > PAIR_ONE_SYNC_BYTES:
             k, first = self._begin(op, flat.numel(), flat.dtype)
             second = self._begin(op, flat.numel(), flat.dtype)[1]
             return self._ctl.all_reduce_halves(op, k, flat, first, second)
