@@ -220,21 +220,13 @@ class CollectiveGroup:
         return Operation(name, sequence, limit, time.monotonic() + limit)
 
     def wait(self, op: Operation, work: Any, peer: int | None, *, on_device: bool = False) -> None:
-        """Wait for ``work`` within ``op``'s deadline; ``peer`` is the rank it depends on.
-
-        Raises :class:`CollectiveTimeoutError` or :class:`WorkerFailedError`
-        naming the rank(s) responsible (see :meth:`failure`). ``on_device``: the
-        work moves CUDA tensors (NCCL's), waited as DDP waits for it: the
-        current stream waits, the host does not (a wait with a timeout would
-        hold the host until the kernel ends); NCCL's watchdog ends a collective
-        that outlives the process group's timeout.
-        """
-        remaining = op.remaining()
+        """Wait for ``work`` within ``op``'s deadline; ``peer``: the rank it depends
+        on. Raises the error naming who did not answer (:meth:`failure`).
+        ``on_device``: NCCL's work, waited as DDP waits (a timeout would hold the
+        host until the kernel ends): the stream waits; NCCL's watchdog bounds it."""
         try:
-            if on_device:
-                work.wait()
-                return
-            finished = work.wait(timedelta(seconds=max(remaining, 0.001)))
+            limit = None if on_device else timedelta(seconds=max(op.remaining(), 0.001))
+            finished = work.wait() if limit is None else work.wait(limit)
         except RuntimeError as exc:  # c10d's errors (DistError) are RuntimeErrors
             raise self.failure(op, peer, exc) from exc
         if finished is False:
