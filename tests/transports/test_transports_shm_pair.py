@@ -136,3 +136,51 @@ def test_two_ranks_all_reduce_bits_and_a_dead_peer(modes: tuple[bool, bool]) -> 
     assert r.value["error"].startswith("WorkerFailedError"), r.value["error"]
     assert "rank 1" in r.value["error"], r.value["error"]
     assert r.value["elapsed"] < 15  # the pidfd check, not the group's 60 s timeout
+
+
+def halves_death_job(rank: int, world_size: int) -> dict[str, Any]:
+    """Rank 1 (without the C part) publishes its first half, then dies; rank 0
+    (with it) waits at the second synchronisation, in Python after its C call."""
+    torch.set_num_threads(1)
+    if rank == 1:
+        os.environ["GRADHUB_NATIVE"] = "0"
+    loaded = native.available()
+    init(rank, world_size)
+    dist.all_reduce(torch.ones(HALVES[torch.float32][-1]))  # both ranks whole
+    if rank == 1:
+
+        def die_half_way(self: Any, op: Any, k: int, *args: Any) -> None:
+            self.publish(shm.ENTERED, k)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        shm.Control._halves = die_half_way  # type: ignore[method-assign] (this process only)
+    dist.barrier()
+    stages: list[int] = []
+    halved = native.all_reduce_halves
+
+    def recorded(*args: Any) -> int:
+        stages.append(halved(*args))
+        return stages[-1]
+
+    native.all_reduce_halves = recorded  # type: ignore[assignment]
+    begin = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(HALVES[torch.float32][-1]))
+        error = ""
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    return {"loaded": loaded, "stages": stages, "error": error, "elapsed": time.monotonic() - begin}
+
+
+def test_a_peer_dead_between_the_halves_is_named() -> None:
+    if shutil.which(os.environ.get("CC", "cc")) is None:
+        pytest.skip("no C compiler")
+    results = run_ranks(halves_death_job, 2, timeout=120, check=False)
+    assert results[1].exitcode == -signal.SIGKILL
+    r = results[0]
+    assert r.ok, r.error
+    assert r.value["loaded"]
+    assert r.value["stages"][-1] == 2, r.value  # left C waiting for the peer's sum
+    assert r.value["error"].startswith("WorkerFailedError"), r.value["error"]
+    assert "rank 1" in r.value["error"], r.value["error"]
+    assert r.value["elapsed"] < 15  # the pidfd check, not the group's 60 s timeout
