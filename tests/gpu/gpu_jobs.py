@@ -228,9 +228,10 @@ def ddp_beside_job(rank: int, world: int) -> dict[str, Any]:
         # this one runs on the worker thread): NCCL follows the slow producer.
         side = torch.cuda.Stream(device)
         with torch.cuda.stream(side):
-            a = torch.rand(2048, 2048, device=device) / 2048
             queued = all_reduce(torch.ones(1 << 20, device=device), group=runtime.group)
-            x = (a @ a @ a).sum(0) * 0 + (rank + 1)  # a slow producer of known values
+            x = torch.zeros(8, device=device)
+            torch.cuda._sleep(200_000_000)  # the producer is late on the device
+            x += rank + 1  # known values
             late = all_reduce(x, group=runtime.group)
             queued.wait()
             out["stream"] = (late.wait() * 1).cpu().unique().tolist()

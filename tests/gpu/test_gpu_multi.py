@@ -2,8 +2,8 @@
 CUDA tensors on NCCL and CPU tensors on gloo's side (shared memory), and the
 strategies train as DDP on NCCL does in the same processes: ``allreduce`` bit
 for bit (two ranks: one sum, and a halving that is exact), ``sharded`` within
-float32 rounding; a collective queued behind another runs on its caller's
-CUDA stream."""
+float32 rounding; a collective queued behind another starts, on the device,
+after the work its caller queued on its own CUDA stream."""
 
 from __future__ import annotations
 

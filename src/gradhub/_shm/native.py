@@ -96,8 +96,10 @@ void gradhub_sum_bf16(const uint16_t *const *parts, int k, uint16_t *out, size_t
   }
 }
 
-/* out = first + second: fp32 (dtype 0), or bf16 widened, added, rounded once (1). */
+/* out = first + second: fp32 (dtype 0), or bf16 widened, added, rounded once (1).
+   The fence orders these reads after the caller's read of the peer's counter. */
 void gradhub_sum_pair(void *out, const void *first, const void *second, size_t n, int dtype) {
+  __atomic_thread_fence(__ATOMIC_ACQUIRE);
   if (dtype == 1) {
     const uint16_t *parts[2] = {first, second};
     gradhub_sum_bf16(parts, 2, out, n);
@@ -173,6 +175,8 @@ int gradhub_all_reduce_halves(char *data, char *a_mine, const char *a_theirs, ch
   size_t size = dtype == 1 ? 2 : 4, half = (n + 1) / 2;
   size_t mine_at = index == 0 ? 0 : half, mine_n = index == 0 ? half : n - half;
   size_t peer_at = index == 0 ? half : 0, peer_n = n - mine_n;
+  /* Resumed after the caller's wait: an acquire load of the counter it saw. */
+  if (stage > 0 && !reached(theirs, k + stage - 1, 0)) return stage;
   if (stage == 0) {
     memcpy(a_mine + peer_at * size, data + peer_at * size, peer_n * size);
     publish(entered, k);

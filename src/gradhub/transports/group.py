@@ -219,14 +219,15 @@ class CollectiveGroup:
         limit = self.timeout if timeout is None else float(timeout)
         return Operation(name, sequence, limit, time.monotonic() + limit)
 
-    def wait(self, op: Operation, work: Any, peer: int | None, *, on_device: bool = False) -> None:
-        """Wait for ``work`` within ``op``'s deadline; ``peer``: the rank it depends
-        on. Raises the error naming who did not answer (:meth:`failure`).
-        ``on_device``: NCCL's work, waited as DDP waits (a timeout would hold the
-        host until the kernel ends): the stream waits; NCCL's watchdog bounds it."""
+    def wait(self, op: Operation, work: Any, peer: int | None) -> None:
+        """Wait for ``work`` within ``op``'s deadline; ``peer`` is the rank it depends on.
+
+        Raises :class:`CollectiveTimeoutError` or :class:`WorkerFailedError`
+        naming the rank(s) responsible (see :meth:`failure`).
+        """
+        remaining = op.remaining()
         try:
-            limit = None if on_device else timedelta(seconds=max(op.remaining(), 0.001))
-            finished = work.wait() if limit is None else work.wait(limit)
+            finished = work.wait(timedelta(seconds=max(remaining, 0.001)))
         except RuntimeError as exc:  # c10d's errors (DistError) are RuntimeErrors
             raise self.failure(op, peer, exc) from exc
         if finished is False:

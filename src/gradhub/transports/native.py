@@ -74,7 +74,7 @@ class NativeTransport(Transport):
             super().all_reduce(op, flat, codec, chunking)
             return
         work = dist.all_reduce(flat, group=self.group.process_group, async_op=True)
-        self.group.wait(op, work, None, on_device=flat.is_cuda)
+        self.group.wait(op, work, None)
 
     def broadcast(self, op: Operation, tensor: torch.Tensor, root: int) -> None:
         backend_broadcast(self.group, op, tensor, root)
@@ -86,7 +86,7 @@ def backend_broadcast(
     """The backend's broadcast of ``tensor`` from group rank ``root``."""
     source = dist.get_global_rank(group.process_group, root)
     work = dist.broadcast(tensor, source, group=group.process_group, async_op=True)
-    group.wait(op, work, None if group.rank == root else root, on_device=tensor.is_cuda)
+    group.wait(op, work, None if group.rank == root else root)
 
 
 def _padded(ranges: Ranges) -> int:
@@ -106,7 +106,7 @@ def native_reduce_scatter(
             send[c * width : c * width + n].copy_(x[s : s + n])
     result = group.scratch("rs_result", width, torch.float32, x.device)
     work = _reduce_scatter_native(result, send, group=group.process_group, async_op=True)
-    group.wait(op, work, None, on_device=x.is_cuda)
+    group.wait(op, work, None)
     out.copy_(result[: ranges[r][1]])
 
 
@@ -132,7 +132,7 @@ def exchange_reduce_scatter(
         group=group.process_group,
         async_op=True,
     )
-    group.wait(op, work, None, on_device=x.is_cuda)
+    group.wait(op, work, None)
     order = reduction_order(r, P)
     out.copy_(codec.decode(inbox[order[0] * length : (order[0] + 1) * length]))
     for j in order[1:]:
@@ -154,7 +154,7 @@ def collective_all_gather(
     mine[: own_wire.numel()].copy_(own_wire)
     gathered = group.scratch("ag_gathered", P * width, codec.wire_dtype, out.device)
     work = _all_gather_native(gathered, mine, group=group.process_group, async_op=True)
-    group.wait(op, work, None, on_device=out.is_cuda)
+    group.wait(op, work, None)
     flat = out.view(-1)
     for c, (s, n) in enumerate(ranges):
         flat[s : s + n].copy_(codec.decode(gathered[c * width : c * width + n]))

@@ -13,9 +13,10 @@ did (the torch.distributed backend runs its small operations so).
 
 Either way one operation runs at a time (a lock, held by whichever thread
 runs one), and an operation called after another on the same thread runs
-after it. A queued operation runs on the CUDA stream its caller was on (a
-collective of CUDA tensors then follows the kernels that wrote them, as it
-would on the calling thread).
+after it. Operations run on the worker thread's default CUDA stream, so
+they follow each other there (they share the group's scratch buffers); one
+queued from another stream first waits, on the device, for the work its
+caller had queued on that stream (the kernels that wrote its tensors).
 """
 
 from __future__ import annotations
@@ -45,20 +46,25 @@ def _fresh_thread_state(*, but_grad: bool = False) -> bool:
     )
 
 
-def _on_callers_stream(fn: Callable[[], T]) -> Callable[[], T]:
-    """``fn``, to run on the calling thread's current CUDA stream where CUDA is
-    in use and that stream is not its device's default (the worker thread's own)."""
+def _after_callers_stream(fn: Callable[[], T]) -> Callable[[], T]:
+    """``fn``, made to start, on the device, after the work queued so far on the
+    calling thread's current CUDA stream where that is not its device's default
+    stream (the worker's): an event recorded there now, waited for by the
+    default stream when ``fn`` runs. No host synchronisation."""
     if not torch.cuda.is_initialized():
         return fn
     stream = torch.cuda.current_stream()
-    if stream == torch.cuda.default_stream(stream.device):
+    default = torch.cuda.default_stream(stream.device)
+    if stream == default:
         return fn
+    ready = torch.cuda.Event()
+    ready.record(stream)
 
-    def on_stream() -> T:
-        with torch.cuda.stream(stream):
-            return fn()
+    def after() -> T:
+        default.wait_event(ready)
+        return fn()
 
-    return on_stream
+    return after
 
 
 class Worker:
@@ -92,7 +98,7 @@ class Worker:
                 max_workers=1, thread_name_prefix=f"{self._name}-r{self._rank}"
             )
         future: CollectiveFuture[T] = CollectiveFuture(name, timeout)
-        body = _on_callers_stream(fn)
+        body = _after_callers_stream(fn)
 
         def run() -> T:
             try:
