@@ -15,6 +15,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import random
 import socket
 import time
 import traceback
@@ -22,13 +23,29 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+_PICK = random.SystemRandom()  # not the random module's state, which a test may seed
+
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago.
+    """A TCP port on 127.0.0.1 that was free a moment ago, below the kernel's
+    ephemeral range (a port from it may become another test's client end
+    before this one binds it: EADDRINUSE, seen with two workers).
 
-    (Not gradhub's own helper: importing gradhub would import torch into every
-    child, also those that do not need it.)
+    (gradhub's ``free_loopback_port`` does the same; not imported: importing
+    gradhub would import torch into every child, also those that do not need it.)
     """
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(64):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", _PICK.randrange(10_000, low) if low > 10_000 else 0))
+            except OSError:
+                continue
+            return int(s.getsockname()[1])
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

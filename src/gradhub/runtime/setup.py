@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import socket
 from collections.abc import Mapping
 from datetime import timedelta
@@ -32,10 +33,30 @@ _LAUNCH_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def free_loopback_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    """A TCP port on 127.0.0.1 that was free a moment ago, below the kernel's
+    range of ephemeral ports where it can be: a port from that range may become
+    another process's end of a connection (a store or gloo client) between this
+    pick and its bind (EADDRINUSE); one below it, only another pick's."""
+    low, pick = _ephemeral_low(), random.SystemRandom()
+    for _ in range(64):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", pick.randrange(10_000, low) if low > 10_000 else 0))
+            except OSError:  # taken (or lingering): another
+                continue
+            return int(s.getsockname()[1])
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out on its own (Linux; else 32768)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 BOTH = "cpu:gloo,cuda:nccl"
