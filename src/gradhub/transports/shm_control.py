@@ -87,6 +87,9 @@ class Control:
         self._skip = 0  # waits left that sleep at once
         self._counters = (ctypes.c_int64 * (_KINDS * self.size * _STRIDE)).from_buffer(segment)
         self._base = ctypes.addressof(self._counters)
+        peer = (self.index + 1) % self.size  # of two ranks, the other one
+        self._pair_lines = (self.address(ENTERED, self.index), self.address(ENTERED, peer))
+        """The addresses of this rank's and the peer's ``ENTERED`` lines (the C calls')."""
         self._poller = select.poll()
         self._index_of: dict[int, int] = {}
         for i, pid in enumerate(self.pids):
@@ -162,7 +165,7 @@ class Control:
         polling as :meth:`_spun` does; where the peer is not there by the end of
         the poll, the wait here (which names a dead peer), then the addition."""
         budget = self.poll_budget()
-        mine, theirs = self.address(ENTERED, self.index), self.address(ENTERED, 1 - self.index)
+        mine, theirs = self._pair_lines
         reached = native.all_reduce_pair(flat, regions, self.index, mine, theirs, k, budget)
         if budget > 0:
             self.polled(reached)
@@ -186,7 +189,7 @@ class Control:
         either: the same memory, counters and bits)."""
         if not native.loaded():
             return self._halves(op, k, flat, first, second)
-        mine, theirs = self.address(ENTERED, self.index), self.address(ENTERED, 1 - self.index)
+        mine, theirs = self._pair_lines
         stage = 0
         while True:
             budget = self.poll_budget()
